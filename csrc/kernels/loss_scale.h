@@ -1,0 +1,71 @@
+// Torch-free entry points of the loss-scaling kernels (non-finite check and unscale, scale
+// update) for CPU and CUDA. The ops tier fills these structs and calls them.
+#pragma once
+
+#include <cmath>
+
+#include "kernels/multi_tensor.h"
+
+namespace mixprec::kernels {
+
+// Lists: 0 = grads (read), 1 = out (written; the same pointers as list 0 when in place).
+// A group with num_lists == 1 and inv_scale == nullptr is the read-only check.
+struct UnscaleParams {
+  const TensorGroup* group = nullptr;
+  float* found_inf = nullptr;         // set to 1 when any element is inf or NaN; may be null
+  const float* inv_scale = nullptr;   // device scalar multiplied in; null: check only
+  float* per_tensor_found = nullptr;  // [num args] set to 1 for each tensor holding inf/NaN
+};
+
+// Runs chunks [chunk_begin, chunk_end) of p.group on the calling thread.
+void non_finite_check_and_unscale_cpu(const UnscaleParams& p, int64_t chunk_begin, int64_t chunk_end);
+// Runs the whole group on `stream`, in as many launches as its size needs.
+void non_finite_check_and_unscale_cuda(const UnscaleParams& p, Stream stream);
+
+// Dynamic loss-scale update, one thread of work; all pointers are single device (or host) values.
+struct ScaleUpdateParams {
+  float* scale = nullptr;
+  int32_t* growth_tracker = nullptr;      // successful steps since the last change of scale
+  int32_t* hysteresis_tracker = nullptr;  // overflows still tolerated; null means hysteresis 1
+  int64_t* skipped_steps = nullptr;       // incremented on every overflow; may be null
+  const float* found_inf = nullptr;
+  float growth_factor = 2.f;
+  float backoff_factor = 0.5f;
+  int32_t growth_interval = 2000;
+  int32_t hysteresis = 1;
+  float min_scale = 0.f;
+  float max_scale = 0.f;  // 0: unbounded (only kept finite, as torch does)
+};
+
+// The scale update itself, shared verbatim by the CPU function and the one-thread CUDA kernel.
+MIXPREC_HOST_DEVICE inline void update_scale_step(const ScaleUpdateParams& p) {
+  const float scale = *p.scale;
+  if (*p.found_inf != 0.f) {
+    if (p.skipped_steps != nullptr) *p.skipped_steps += 1;
+    *p.growth_tracker = 0;
+    // Hysteresis: back off only on the hysteresis-th overflow since the last change of scale.
+    int32_t tolerated = p.hysteresis_tracker != nullptr ? *p.hysteresis_tracker - 1 : 0;
+    if (tolerated <= 0) {
+      *p.scale = fmaxf(scale * p.backoff_factor, p.min_scale);
+      tolerated = p.hysteresis;
+    }
+    if (p.hysteresis_tracker != nullptr) *p.hysteresis_tracker = tolerated;
+    return;
+  }
+  const int32_t successful = *p.growth_tracker + 1;
+  if (successful >= p.growth_interval) {
+    float grown = scale * p.growth_factor;
+    if (p.max_scale > 0.f) grown = fminf(grown, p.max_scale);
+    // Like torch: never grow into inf.
+    if (grown - grown == 0.f) *p.scale = grown;  // finite: inf - inf and NaN - NaN are NaN
+    *p.growth_tracker = 0;
+    if (p.hysteresis_tracker != nullptr) *p.hysteresis_tracker = p.hysteresis;
+  } else {
+    *p.growth_tracker = successful;
+  }
+}
+
+void update_scale_cpu(const ScaleUpdateParams& p);
+void update_scale_cuda(const ScaleUpdateParams& p, Stream stream);
+
+}  // namespace mixprec::kernels

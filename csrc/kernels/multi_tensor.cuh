@@ -1,0 +1,252 @@
+// The one CUDA multi-tensor launcher every multi-tensor op uses: a TensorGroup is packed into
+// launch-metadata tables passed as kernel parameters, one block per 64 Ki-element chunk.
+//
+// Limits (documented in README "Multi-tensor launcher"):
+// - a table is a kernel parameter of at most kTableBytes (CUDA >= 12.1 and sm_70+ accept up to
+//   32764 bytes), so one launch holds TensorTable<N>::kCapacity tensors (about 440 with 6 lists,
+//   about 830 with 2); larger groups take several launches, each a single kernel;
+// - a tensor has fewer than 2^31 chunks (2^47 elements); a launch fewer than 2^31 blocks.
+// The table lives in the constant bank and costs no host-to-device copy or synchronization,
+// so launches are CUDA-graph capturable. Every block reads one table entry (found by a binary
+// search over block_start), so the reads are uniform across the block and cheap.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/multi_tensor.h"
+
+#define MIXPREC_CUDA_CHECK(expr)                                                                  \
+  do {                                                                                            \
+    const cudaError_t mixprec_err_ = (expr);                                                      \
+    if (mixprec_err_ != cudaSuccess)                                                              \
+      throw std::runtime_error(std::string("mixprec: CUDA error ") +                              \
+                               cudaGetErrorString(mixprec_err_) + " at " __FILE__ ":" +           \
+                               std::to_string(__LINE__));                                         \
+  } while (0)
+
+namespace mixprec::kernels {
+
+constexpr int kBlockThreads = 512;
+constexpr int kTableBytes = 31 * 1024;  // leaves ~1 KB of the 32764-byte limit to the functor
+
+template <int NLists>
+struct TensorTable {
+  static constexpr int kListSlots = NLists > 0 ? NLists : 1;
+  static constexpr int kEntryBytes = kListSlots * 8 + 8 + 4 + 4 + 4 + 1;
+  static constexpr int kCapacity = (kTableBytes - 16) / kEntryBytes;
+
+  void* ptrs[kListSlots][kCapacity];
+  int64_t numel[kCapacity];
+  int32_t block_start[kCapacity + 1];  // first block of each entry; block_start[count] = grid
+  int32_t first_chunk[kCapacity];      // global chunk id, for per-chunk scratch
+  int32_t arg_index[kCapacity];        // position in the op's argument lists
+  uint8_t aligned[kCapacity];          // every pointer kVectorAlignment-aligned
+  int32_t count;
+};
+
+// What a block works on: chunk `chunk` of table entry `t`.
+struct ChunkCtx {
+  int t;
+  int64_t begin;  // first element of the chunk in the tensor
+  int n;          // elements in the chunk
+  bool vec_ok;    // vector loads allowed (all pointers aligned)
+  int32_t arg_index;
+  int32_t global_chunk;
+};
+
+template <typename T, int NLists>
+__device__ __forceinline__ T* chunk_ptr(const TensorTable<NLists>& table, const ChunkCtx& c, int list) {
+  return static_cast<T*>(table.ptrs[list][c.t]) + c.begin;
+}
+
+// ---- element conversions: all arithmetic is fp32 ("opmath"), storage any of the three ----------
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Packed {
+  T v[N];
+};
+
+// Loads N elements starting at i into fp32 registers: one wide access when the whole vector is
+// inside the chunk and the tensor is aligned, element-wise (zero-filled past n) otherwise.
+template <typename T, int N>
+__device__ __forceinline__ void load(const T* p, int64_t i, int n, bool vec_ok, float (&r)[N]) {
+  if (vec_ok && i + N <= n) {
+    const Packed<T, N> pk = *reinterpret_cast<const Packed<T, N>*>(p + i);
+#pragma unroll
+    for (int j = 0; j < N; ++j) r[j] = to_float(pk.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) r[j] = (i + j < n) ? to_float(p[i + j]) : 0.f;
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store(T* p, int64_t i, int n, bool vec_ok, const float (&r)[N]) {
+  if (vec_ok && i + N <= n) {
+    Packed<T, N> pk;
+#pragma unroll
+    for (int j = 0; j < N; ++j) pk.v[j] = from_float<T>(r[j]);
+    *reinterpret_cast<Packed<T, N>*>(p + i) = pk;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      if (i + j < n) p[i + j] = from_float<T>(r[j]);
+  }
+}
+
+// Elements per vector: 16 bytes of the narrowest type an op streams (8 for fp16/bf16, 4 for fp32).
+template <typename... Ts>
+constexpr int vec_elems() {
+  constexpr size_t narrowest = std::min({sizeof(Ts)...});
+  return static_cast<int>(16 / narrowest);
+}
+
+// Vectors per thread per iteration, all loaded before any is used: memory-level parallelism.
+constexpr int kIlp = 4;
+
+// Calls f(i) for i = the first element of each of this thread's vectors of N in the chunk,
+// kIlp vectors per step so that a body which loads first and computes after keeps loads in flight.
+template <int N, typename F>
+__device__ __forceinline__ void for_each_vector_group(int n, F&& f) {
+  constexpr int kStride = kBlockThreads * N;
+  for (int64_t base = static_cast<int64_t>(threadIdx.x) * N; base < n; base += kStride * kIlp) f(base, kStride);
+}
+
+__device__ __forceinline__ bool is_finite(float x) {
+  return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// Block-wide sum and max; every thread gets the result. Uses 32 floats of shared memory.
+__device__ __forceinline__ float block_reduce_sum(float v) {
+  __shared__ float warp_part[kBlockThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x < blockDim.x / 32) ? warp_part[threadIdx.x] : 0.f;
+  if (threadIdx.x < 32) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) warp_part[0] = v;
+  }
+  __syncthreads();
+  const float r = warp_part[0];
+  __syncthreads();  // the buffer may be reused by the caller's next reduction
+  return r;
+}
+
+// max that propagates NaN (fmaxf drops it, and a NaN must never pass as finite).
+__device__ __forceinline__ float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+
+__device__ __forceinline__ float block_reduce_max(float v) {
+  __shared__ float warp_part[kBlockThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x < blockDim.x / 32) ? warp_part[threadIdx.x] : 0.f;
+  if (threadIdx.x < 32) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (threadIdx.x == 0) warp_part[0] = v;
+  }
+  __syncthreads();
+  const float r = warp_part[0];
+  __syncthreads();
+  return r;
+}
+
+template <int NLists, typename Op>
+__global__ void __launch_bounds__(kBlockThreads)
+    multi_tensor_kernel(const __grid_constant__ TensorTable<NLists> table, const Op op) {
+  const int32_t block = static_cast<int32_t>(blockIdx.x);
+  int lo = 0, hi = table.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (table.block_start[mid] <= block) lo = mid; else hi = mid - 1;
+  }
+  ChunkCtx c;
+  c.t = lo;
+  const int32_t chunk = block - table.block_start[lo];
+  c.begin = static_cast<int64_t>(chunk) * kChunkElems;
+  c.n = static_cast<int>(min(static_cast<int64_t>(kChunkElems), table.numel[lo] - c.begin));
+  c.vec_ok = table.aligned[lo] != 0;
+  c.arg_index = table.arg_index[lo];
+  c.global_chunk = table.first_chunk[lo] + chunk;
+  op(table, c);
+}
+
+// Packs group `g` into as few tables as fit and calls launch(table, blocks) for each, where tensor
+// i takes blocks_of(i) consecutive blocks of the launch.
+template <int NLists, typename BlocksOf, typename Launch>
+void for_each_table(const TensorGroup& g, BlocksOf&& blocks_of, Launch&& launch) {
+  using Table = TensorTable<NLists>;
+  if (g.num_lists != NLists) throw std::logic_error("mixprec: tensor group has the wrong number of lists");
+  Table table;
+  table.count = 0;
+  int64_t blocks = 0;
+  auto flush = [&] {
+    if (table.count == 0) return;
+    table.block_start[table.count] = static_cast<int32_t>(blocks);
+    launch(table, static_cast<unsigned>(blocks));
+    table.count = 0;
+    blocks = 0;
+  };
+  for (int64_t i = 0; i < g.size(); ++i) {
+    const int64_t b = blocks_of(i);
+    if (b >= INT32_MAX || g.first_chunk[i] + num_chunks(g.numel[i]) >= INT32_MAX)
+      throw std::invalid_argument("mixprec: tensor too large for the multi-tensor launcher (2^31 chunks)");
+    if (table.count == Table::kCapacity || blocks + b >= INT32_MAX) flush();
+    const int e = table.count++;
+    for (int k = 0; k < NLists; ++k) table.ptrs[k][e] = g.ptrs[k][i];
+    table.numel[e] = g.numel[i];
+    table.block_start[e] = static_cast<int32_t>(blocks);
+    table.first_chunk[e] = static_cast<int32_t>(g.first_chunk[i]);
+    table.arg_index[e] = g.index[i];
+    table.aligned[e] = g.aligned(i) ? 1 : 0;
+    blocks += b;
+  }
+  flush();
+}
+
+// Launches `op` over every chunk of `g` (whose num_lists must equal NLists), one block a chunk.
+template <int NLists, typename Op>
+void launch_multi_tensor(const TensorGroup& g, const Op& op, Stream stream) {
+  using Table = TensorTable<NLists>;
+  static_assert(sizeof(Table) + sizeof(Op) <= 32764, "kernel parameters exceed CUDA's 32764-byte limit");
+  for_each_table<NLists>(
+      g, [&](int64_t i) { return num_chunks(g.numel[i]); },
+      [&](const Table& table, unsigned blocks) {
+        multi_tensor_kernel<NLists, Op><<<blocks, kBlockThreads, 0, stream>>>(table, op);
+        MIXPREC_CUDA_CHECK(cudaGetLastError());
+      });
+}
+
+// Calls f(tag) with tag a value of the CUDA storage type for `d` (float, __half, __nv_bfloat16).
+template <typename F>
+decltype(auto) dispatch_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::kFloat32: return f(float{});
+    case DType::kFloat16: return f(__half{});
+    case DType::kBFloat16: return f(__nv_bfloat16{});
+  }
+  throw std::logic_error("mixprec: unknown dtype");
+}
+
+}  // namespace mixprec::kernels

@@ -1,0 +1,48 @@
+// Every mixprec op's schema, in one place: the contract that the CPU, CUDA and Meta impls, the
+// Python wrappers (python/mixprec/_ops.py) and the C++ header (include/mixprec/ops.h) all follow.
+//
+// Conventions. Lists of tensors are matched by index. Optional behaviour is an optional tensor
+// or an empty list, never another op: an empty `out` or `master_params` list means "none".
+// Device scalars (found_inf, inv_scale, grad_scale, lr_tensor, step_tensor) are one-element
+// float32 tensors on the op's device; found_inf is 1.0 when a step must be skipped. With
+// step_tensor given, an optimizer op increments it on the device unless found_inf is set, and
+// uses it for bias correction; otherwise the host `step` (counting this step) is used.
+#include <torch/library.h>
+
+#include <string>
+
+#ifndef MIXPREC_TORCH_VERSION
+#define MIXPREC_TORCH_VERSION "unknown"
+#endif
+
+namespace mixprec::detail {
+// The version of torch this library was compiled against; Python compares it on import.
+const char* built_torch_version() { return MIXPREC_TORCH_VERSION; }
+}  // namespace mixprec::detail
+
+TORCH_LIBRARY(mixprec, m) {
+  // The torch version the library was compiled against, checked by `import mixprec`.
+  m.def("_built_torch_version() -> str", [] { return std::string(mixprec::detail::built_torch_version()); });
+
+  // ---- loss scaling (kernels/loss_scale.*) ------------------------------------------------
+  // Sets found_inf to 1 if any element of grads is inf or NaN. With inv_scale, also multiplies
+  // every element by it: into `out` (same shapes, any float dtype) when given, else in place.
+  // Without inv_scale it only reads. per_tensor_found[i] is set to 1 for each grads[i] holding
+  // inf/NaN, in the same pass. found_inf may be None for pure scaling (gradient clipping).
+  m.def(
+      "non_finite_check_and_unscale_(Tensor(a!)[] grads, Tensor(b!)? found_inf, Tensor? inv_scale, "
+      "Tensor(c!)[] out, Tensor(d!)? per_tensor_found=None) -> ()");
+  // Dynamic loss-scale update on the device: on overflow the scale backs off after `hysteresis`
+  // overflows (tracked by hysteresis_tracker) but not below min_scale; after growth_interval
+  // clean steps it grows, capped at max_scale (0: no cap). skipped_steps (int64) counts
+  // overflows. With hysteresis 1 and no bounds it equals torch._amp_update_scale_.
+  m.def(
+      "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!)? hysteresis_tracker, "
+      "Tensor(d!)? skipped_steps, Tensor found_inf, float growth_factor, float backoff_factor, "
+      "int growth_interval, int hysteresis=1, float min_scale=0., float max_scale=0.) -> ()");
+
+  // ---- norms (kernels/norm.*) ---------------------------------------------------------------
+  // Returns (total, per_tensor): the norm (ord 2 or inf) of all tensors together as a 0-dim
+  // float32 tensor, and each tensor's norm as float32 [len(tensors)] (empty unless per_tensor).
+  m.def("multi_tensor_norm(Tensor[] tensors, float ord=2., bool per_tensor=False) -> (Tensor, Tensor)");
+}

@@ -1,0 +1,48 @@
+// Ops-tier helpers shared by every multi-tensor op: input validation with errors that name the
+// op, the argument and the list index, and packing of tensor lists into kernel-tier groups.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kernels/multi_tensor.h"
+
+namespace mixprec::detail {
+
+// The kernel dtype of a float tensor; `what` names it in the error ("op: arg[i]").
+kernels::DType kernel_dtype(const at::Tensor& t, const std::string& what);
+
+// "mixprec::op: arg[i]" or "mixprec::op: arg" (index < 0), the prefix of every error message.
+std::string arg_name(const char* op, const char* arg, int64_t index = -1);
+
+// A one-element float32 tensor on `device` (found_inf, inv_scale, grad_scale, lr ...).
+void check_scalar_tensor(const char* op, const char* arg, const at::Tensor& t, const at::Device& device,
+                         at::ScalarType dtype = at::kFloat);
+
+// One named list of an op's arguments.
+struct NamedList {
+  const char* name;
+  at::TensorList tensors;
+};
+
+// The validated operands of one multi-tensor op: one group per combination of dtypes across
+// the lists, plus every tensor in one list-less group (for per-tensor reductions).
+struct PackedLists {
+  std::vector<kernels::TensorGroup> groups;
+  kernels::TensorGroup all;
+  int64_t total_chunks = 0;
+  int64_t num_tensors = 0;
+};
+
+// Checks that every list has lists[0]'s length, and every tensor is defined, on `device`,
+// fp32/fp16/bf16, contiguous and shaped like its counterpart in lists[0]; then packs them.
+// Nothing is modified, so a failed check leaves every argument as it was.
+PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device);
+
+// The device an op runs on: that of `anchor` if defined, else of the first tensor of `list`.
+at::Device op_device(const char* op, const NamedList& list, const c10::optional<at::Tensor>& anchor);
+
+}  // namespace mixprec::detail

@@ -1,0 +1,20 @@
+"""mixprec: mixed-precision training for PyTorch: loss scaling, fused optimizers, apex.amp API.
+
+Importing loads the compiled op library (torch.ops.mixprec) and never initializes CUDA.
+"""
+
+from . import _library
+from ._ops import multi_tensor_norm, non_finite_check_and_unscale_, scale_, update_scale_
+
+__version__ = "0.1.0"
+
+#: Put this on CMAKE_PREFIX_PATH (beside torch.utils.cmake_prefix_path) for find_package(mixprec).
+cmake_prefix_path = _library.cmake_prefix_path()
+
+__all__ = [
+    "cmake_prefix_path",
+    "multi_tensor_norm",
+    "non_finite_check_and_unscale_",
+    "scale_",
+    "update_scale_",
+]

@@ -1,0 +1,79 @@
+"""Typed Python wrappers of torch.ops.mixprec.*: one function per op, documented once here.
+
+Every function is a thin call through the dispatcher, so the same kernels serve Python, C++ and
+torch.compile. Device scalars (found_inf, inv_scale, ...) are one-element float32 tensors on the
+device of the tensor lists.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import _library
+
+_library.load()
+_ops = torch.ops.mixprec
+
+
+def non_finite_check_and_unscale_(
+    grads: Sequence[torch.Tensor],
+    found_inf: Optional[torch.Tensor],
+    inv_scale: Optional[torch.Tensor] = None,
+    out: Sequence[torch.Tensor] = (),
+    per_tensor_found: Optional[torch.Tensor] = None,
+) -> None:
+    """Sets ``found_inf`` to 1 if any element of ``grads`` is inf or NaN, in one pass.
+
+    With ``inv_scale`` the gradients are also multiplied by it: in place, or into ``out`` (same
+    shapes, any of float32/float16/bfloat16, e.g. fp32 master gradients from fp16 grads). Without
+    it the op only reads. ``per_tensor_found`` (float32, ``len(grads)``) gets a 1 for each tensor
+    that held a non-finite value, at no extra pass. ``found_inf=None`` gives pure scaling.
+    """
+    _ops.non_finite_check_and_unscale_(list(grads), found_inf, inv_scale, list(out), per_tensor_found)
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    *,
+    hysteresis: int = 1,
+    hysteresis_tracker: Optional[torch.Tensor] = None,
+    skipped_steps: Optional[torch.Tensor] = None,
+    min_scale: float = 0.0,
+    max_scale: float = 0.0,
+) -> None:
+    """Updates the loss scale on the device, with no host synchronization.
+
+    On overflow (``found_inf`` != 0) the growth tracker resets and, on the ``hysteresis``-th
+    overflow since the scale last changed, the scale is multiplied by ``backoff_factor`` (not
+    below ``min_scale``). After ``growth_interval`` clean steps in a row it is multiplied by
+    ``growth_factor`` (capped at ``max_scale`` unless 0, and never to inf). ``growth_tracker`` and
+    ``hysteresis_tracker`` are int32, ``skipped_steps`` int64 (counts overflows). With
+    ``hysteresis=1`` and no bounds this equals ``torch._amp_update_scale_``.
+    """
+    _ops.update_scale_(
+        scale, growth_tracker, hysteresis_tracker, skipped_steps, found_inf,
+        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+    )
+
+
+def multi_tensor_norm(
+    tensors: Sequence[torch.Tensor], ord: float = 2.0, per_tensor: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The norm (``ord`` 2 or inf) of all ``tensors`` together, and of each one.
+
+    Returns ``(total, per_tensor_norms)``: a 0-dim float32 tensor and a float32 vector of
+    ``len(tensors)`` (empty unless ``per_tensor``). Accumulates in float32, deterministically.
+    """
+    return _ops.multi_tensor_norm(list(tensors), float(ord), per_tensor)
+
+
+def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiplies every tensor in place by the device scalar ``scale`` (e.g. a clip coefficient)."""
+    _ops.non_finite_check_and_unscale_(list(tensors), None, scale, [], None)

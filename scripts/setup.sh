@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Sets up a machine for mixprec and builds it: Debian packages where missing, a virtual
+# environment (.venv), pip packages, and mixprec itself installed into the venv. Idempotent:
+# a second run reuses everything and rebuilds only what changed (ccache, persistent build tree).
+#
+# Environment knobs:
+#   MIXPREC_VENV                 venv folder (default .venv)
+#   MIXPREC_TORCH_SPEC           pip requirement for torch when none in range is importable
+#   MIXPREC_CUDA_ARCHITECTURES   CUDA architectures to build (default 80;90)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${MIXPREC_VENV:-.venv}
+PY=${PYTHON:-python3}
+TORCH_RANGE_CHECK='import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if (2, 11) <= v < (2, 15) else 1)'
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# --- 1. Debian packages: compiler, CMake, Ninja, ccache, GoogleTest, venv -------------------
+missing=()
+command -v g++ >/dev/null || missing+=(g++)
+command -v cmake >/dev/null || missing+=(cmake)
+command -v ninja >/dev/null || missing+=(ninja-build)
+command -v ccache >/dev/null || missing+=(ccache)
+[ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+"$PY" -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# --- 2. The virtual environment, reusing an installed torch in range ------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  if "$PY" -c "$TORCH_RANGE_CHECK" 2>/dev/null; then
+    log "creating $VENV on top of the installed torch"
+    "$PY" -m venv --system-site-packages "$VENV"
+  else
+    log "creating $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+fi
+VPY="$VENV/bin/python"
+
+# --- 3. torch 2.11 to 2.14, and the build and test tools -------------------------------------
+if ! "$VPY" -c "$TORCH_RANGE_CHECK" 2>/dev/null; then
+  if [ -z "${MIXPREC_TORCH_SPEC:-}" ]; then
+    # Without a GPU the CPU build suffices (and 2.13 is the release with a CPU wheel at hand);
+    # with one, any release in range.
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+      MIXPREC_TORCH_SPEC="torch>=2.11,<2.15"
+    else
+      MIXPREC_TORCH_SPEC="torch>=2.11,<2.14"
+    fi
+  fi
+  log "installing $MIXPREC_TORCH_SPEC"
+  "$VPY" -m pip install -q "$MIXPREC_TORCH_SPEC"
+fi
+"$VPY" -m pip install -q -r scripts/requirements.txt
+
+# --- 4. Build and install mixprec into the venv ----------------------------------------------
+log "building mixprec (torch $("$VPY" -c 'import torch; print(torch.__version__)'))"
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+"$VPY" -m pip install -q --no-build-isolation --no-deps \
+  -C "cmake.define.MIXPREC_CUDA_ARCHITECTURES=${MIXPREC_CUDA_ARCHITECTURES:-80;90}" .
+log "ready: source $VENV/bin/activate"
