@@ -7,6 +7,7 @@
 #   MIXPREC_VENV                 venv folder (default .venv)
 #   MIXPREC_TORCH_SPEC           pip requirement for torch when none in range is importable
 #   MIXPREC_CUDA_ARCHITECTURES   CUDA architectures to build (default 80;90)
+#   MIXPREC_BUILD_DIR            CMake build tree (default build/<wheel tag>, from pyproject.toml)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,6 +64,8 @@ fi
 # --- 4. Build and install mixprec into the venv ----------------------------------------------
 log "building mixprec (torch $("$VPY" -c 'import torch; print(torch.__version__)'))"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-"$VPY" -m pip install -q --no-build-isolation --no-deps \
+build_dir_arg=()
+[ -n "${MIXPREC_BUILD_DIR:-}" ] && build_dir_arg=(-C "build-dir=$MIXPREC_BUILD_DIR")
+"$VPY" -m pip install -q --no-build-isolation --no-deps "${build_dir_arg[@]}" \
   -C "cmake.define.MIXPREC_CUDA_ARCHITECTURES=${MIXPREC_CUDA_ARCHITECTURES:-80;90}" .
 log "ready: source $VENV/bin/activate"

@@ -9,8 +9,9 @@ VENV=${MIXPREC_VENV:-.venv}
 source "$VENV/bin/activate"
 
 prefix=$(python -c 'import mixprec, torch; print(mixprec.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')
-cmake -S tests/cpp -B build/tests-cpp -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
-cmake --build build/tests-cpp
-ctest --test-dir build/tests-cpp --output-on-failure
+CPP_TEST_BUILD=${MIXPREC_CPP_TEST_BUILD_DIR:-build/tests-cpp}
+cmake -S tests/cpp -B "$CPP_TEST_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build "$CPP_TEST_BUILD"
+ctest --test-dir "$CPP_TEST_BUILD" --output-on-failure
 
 python -m pytest -q "$@"
