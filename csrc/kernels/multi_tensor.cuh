@@ -120,12 +120,13 @@ constexpr int vec_elems() {
 // Vectors per thread per iteration, all loaded before any is used: memory-level parallelism.
 constexpr int kIlp = 4;
 
-// Calls f(i) for i = the first element of each of this thread's vectors of N in the chunk,
-// kIlp vectors per step so that a body which loads first and computes after keeps loads in flight.
-template <int N, typename F>
+// Calls f(base, stride) once per step of this thread through the chunk: the thread's vectors of
+// N elements in that step start at base + u * stride for u < Ilp, so a body that loads all Ilp
+// vectors first and computes after keeps Ilp loads per list in flight.
+template <int N, int Ilp = kIlp, typename F>
 __device__ __forceinline__ void for_each_vector_group(int n, F&& f) {
   constexpr int kStride = kBlockThreads * N;
-  for (int64_t base = static_cast<int64_t>(threadIdx.x) * N; base < n; base += kStride * kIlp) f(base, kStride);
+  for (int64_t base = static_cast<int64_t>(threadIdx.x) * N; base < n; base += kStride * Ilp) f(base, kStride);
 }
 
 __device__ __forceinline__ bool is_finite(float x) {
@@ -172,8 +173,10 @@ __device__ __forceinline__ float block_reduce_max(float v) {
   return r;
 }
 
+// At least two blocks per SM (<= 64 registers a thread): one 512-thread block alone leaves too
+// few loads in flight to saturate HBM.
 template <int NLists, typename Op>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, 2)
     multi_tensor_kernel(const __grid_constant__ TensorTable<NLists> table, const Op op) {
   const int32_t block = static_cast<int32_t>(blockIdx.x);
   int lo = 0, hi = table.count - 1;

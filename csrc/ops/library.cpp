@@ -45,4 +45,19 @@ TORCH_LIBRARY(mixprec, m) {
   // Returns (total, per_tensor): the norm (ord 2 or inf) of all tensors together as a 0-dim
   // float32 tensor, and each tensor's norm as float32 [len(tensors)] (empty unless per_tensor).
   m.def("multi_tensor_norm(Tensor[] tensors, float ord=2., bool per_tensor=False) -> (Tensor, Tensor)");
+
+  // ---- fused optimizers (kernels/<family>.*) -------------------------------------------------
+  // Shared by every family: params (any float dtype) are updated in place; with master_params
+  // (fp32, one per param) the master is the weight and params receive its rounding, in the same
+  // pass. grads are divided by grad_scale when given. found_inf set: nothing changes at all.
+  // State lists are float32 (Adam moments may be bfloat16) and shaped like params.
+  //
+  // Adam/AdamW: adam_w_mode picks decoupled weight decay (else L2 added to the gradient);
+  // amsgrad is on when max_exp_avg_sqs is non-empty.
+  m.def(
+      "adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, "
+      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
+      "bool maximize=False, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
+      "Tensor? found_inf=None) -> ()");
 }

@@ -77,3 +77,42 @@ def multi_tensor_norm(
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies every tensor in place by the device scalar ``scale`` (e.g. a clip coefficient)."""
     _ops.non_finite_check_and_unscale_(list(tensors), None, scale, [], None)
+
+
+def adam_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    maximize: bool = False,
+    max_exp_avg_sqs: Sequence[torch.Tensor] = (),
+    master_params: Sequence[torch.Tensor] = (),
+    step_tensor: Optional[torch.Tensor] = None,
+    step: int = 0,
+    lr_tensor: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """One fused Adam (``adam_w_mode=False``: L2 decay) or AdamW step over lists of tensors.
+
+    Grads are divided by ``grad_scale`` inside the kernel; when ``found_inf`` is non-zero nothing
+    changes. With ``master_params`` (fp32) the masters are updated and ``params`` (fp16/bf16/fp32)
+    receive the rounded result in the same pass. ``step_tensor`` (float32, one element) is
+    incremented on the device unless ``found_inf`` is set and used for bias correction; without
+    it the host ``step`` (counting this step) is used. amsgrad is on when ``max_exp_avg_sqs`` is
+    given. Moments are float32, or bfloat16 to save memory.
+    """
+    _ops.adam_(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
+        step_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
+        bias_correction=bias_correction, maximize=maximize, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale,
+        found_inf=found_inf,
+    )

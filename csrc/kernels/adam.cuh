@@ -1,0 +1,60 @@
+// CUDA device code of the fused Adam/AdamW step: one streaming pass over grads, weights and
+// moments; reads each operand once and writes each result once (see kernels/adam.h).
+#pragma once
+
+#include "kernels/adam.h"
+#include "kernels/multi_tensor.cuh"
+
+namespace mixprec::kernels {
+
+// TP: model param storage, TG: grad storage, TS: moment storage (float or bf16).
+template <typename TP, typename TG, typename TS>
+struct AdamOp {
+  AdamParams p;
+
+  __device__ void operator()(const TensorTable<kAdamLists>& table, const ChunkCtx& ctx) const {
+    // A skipped step touches nothing: params, master, moments and the step count stay as they were.
+    if (step_skipped(p.scalars)) return;
+    const AdamCoefficients c = adam_coefficients(p);
+    // 16 bytes of the narrowest operand per vector; fewer vectors in flight when they are wide,
+    // which keeps registers (and so occupancy) in check.
+    constexpr int N = vec_elems<TP, TG, TS, float>();
+    constexpr int Ilp = N >= 8 ? 1 : 2;
+    TP* param = chunk_ptr<TP>(table, ctx, kAdamParam);
+    const TG* grad = chunk_ptr<TG>(table, ctx, kAdamGrad);
+    TS* exp_avg = chunk_ptr<TS>(table, ctx, kAdamExpAvg);
+    TS* exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamExpAvgSq);
+    TS* max_exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamMaxExpAvgSq);
+    float* master = chunk_ptr<float>(table, ctx, kAdamMaster);
+    const int n = ctx.n;
+    const bool vec = ctx.vec_ok;
+    for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
+      float g[Ilp][N], w[Ilp][N], m[Ilp][N], v[Ilp][N], vm[Ilp][N];
+#pragma unroll
+      for (int u = 0; u < Ilp; ++u) {
+        const int64_t i = base + u * stride;
+        load<TG, N>(grad, i, n, vec, g[u]);
+        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
+        else load<TP, N>(param, i, n, vec, w[u]);
+        load<TS, N>(exp_avg, i, n, vec, m[u]);
+        load<TS, N>(exp_avg_sq, i, n, vec, v[u]);
+        if (p.amsgrad) load<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < Ilp; ++u)
+#pragma unroll
+        for (int j = 0; j < N; ++j) adam_update(c, g[u][j], w[u][j], m[u][j], v[u][j], vm[u][j]);
+#pragma unroll
+      for (int u = 0; u < Ilp; ++u) {
+        const int64_t i = base + u * stride;
+        store<TP, N>(param, i, n, vec, w[u]);
+        if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+        store<TS, N>(exp_avg, i, n, vec, m[u]);
+        store<TS, N>(exp_avg_sq, i, n, vec, v[u]);
+        if (p.amsgrad) store<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
+      }
+    });
+  }
+};
+
+}  // namespace mixprec::kernels

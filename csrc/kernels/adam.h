@@ -1,0 +1,77 @@
+// Torch-free entry points of the fused Adam/AdamW step for CPU and CUDA: unscale, skip, moment
+// update, bias correction, weight decay (L2 or decoupled) and amsgrad in one pass, writing the fp32
+// master and the rounded model copy together when master weights are kept.
+#pragma once
+
+#include <math.h>
+
+#include "kernels/optim_common.h"
+
+namespace mixprec::kernels {
+
+// Lists of the group, always six (unused ones repeat the params list and are never touched).
+enum AdamList : int { kAdamParam = 0, kAdamGrad, kAdamExpAvg, kAdamExpAvgSq, kAdamMaxExpAvgSq, kAdamMaster, kAdamLists };
+
+struct AdamParams {
+  const TensorGroup* group = nullptr;
+  StepScalars scalars;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.f;
+  bool adam_w_mode = true;     // decoupled weight decay (AdamW); false: L2 added to the gradient
+  bool bias_correction = true;
+  bool amsgrad = false;        // list kAdamMaxExpAvgSq is live
+  bool has_master = false;     // list kAdamMaster (fp32) is the weight; kAdamParam gets its rounding
+  bool maximize = false;
+};
+
+void adam_cpu(const AdamParams& p, int64_t chunk_begin, int64_t chunk_end);
+void adam_cuda(const AdamParams& p, Stream stream);
+
+// The per-element update, shared by both backends. `w` is the fp32 weight (master or param).
+struct AdamCoefficients {
+  float lr, beta1, beta2, eps, weight_decay, step_size, inv_bias_correction2_sqrt, inv_scale;
+  bool adam_w_mode, amsgrad, maximize;
+};
+
+MIXPREC_HOST_DEVICE inline AdamCoefficients adam_coefficients(const AdamParams& p) {
+  AdamCoefficients c;
+  c.lr = step_lr(p.scalars);
+  c.beta1 = p.beta1;
+  c.beta2 = p.beta2;
+  c.eps = p.eps;
+  c.weight_decay = p.weight_decay;
+  const float step = step_count(p.scalars);
+  const float bc1 = p.bias_correction ? 1.f - powf(p.beta1, step) : 1.f;
+  const float bc2 = p.bias_correction ? 1.f - powf(p.beta2, step) : 1.f;
+  c.step_size = c.lr / bc1;
+  c.inv_bias_correction2_sqrt = 1.f / sqrtf(bc2);
+  c.inv_scale = grad_inv_scale(p.scalars);
+  c.adam_w_mode = p.adam_w_mode;
+  c.amsgrad = p.amsgrad;
+  c.maximize = p.maximize;
+  return c;
+}
+
+// Same order of operations as torch's fused Adam, so fp32 trajectories agree to rounding.
+MIXPREC_HOST_DEVICE inline void adam_update(const AdamCoefficients& c, float g, float& w, float& m, float& v,
+                                            float& v_max) {
+  g *= c.inv_scale;
+  if (c.maximize) g = -g;
+  if (c.weight_decay != 0.f) {
+    if (c.adam_w_mode) w -= c.lr * c.weight_decay * w;
+    else g += c.weight_decay * w;
+  }
+  m = c.beta1 * m + (1.f - c.beta1) * g;
+  v = c.beta2 * v + (1.f - c.beta2) * g * g;
+  float second = v;
+  if (c.amsgrad) {
+    v_max = fmaxf(v_max, v);
+    second = v_max;
+  }
+  const float denom = sqrtf(second) * c.inv_bias_correction2_sqrt + c.eps;
+  w -= c.step_size * m / denom;
+}
+
+}  // namespace mixprec::kernels

@@ -1,0 +1,22 @@
+// Host launcher of the fused Adam/AdamW step on CUDA: dtype dispatch over kernels/adam.cuh.
+#include "kernels/adam.cuh"
+
+namespace mixprec::kernels {
+
+void adam_cuda(const AdamParams& p, Stream stream) {
+  const TensorGroup& g = *p.group;
+  if (g.size() == 0) return;
+  dispatch_dtype(g.dtypes[kAdamParam], [&](auto param_tag) {
+    using TP = decltype(param_tag);
+    dispatch_dtype(g.dtypes[kAdamGrad], [&](auto grad_tag) {
+      using TG = decltype(grad_tag);
+      // Moments are float32, or bfloat16 to save memory (validated by the ops tier).
+      if (g.dtypes[kAdamExpAvg] == DType::kBFloat16)
+        launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, __nv_bfloat16>{p}, stream);
+      else
+        launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, float>{p}, stream);
+    });
+  });
+}
+
+}  // namespace mixprec::kernels

@@ -1,0 +1,58 @@
+// Validation shared by the fused optimizer ops (see optim_common.h).
+#include "ops/optim_common.h"
+
+#include <cmath>
+
+namespace mixprec::detail {
+
+kernels::StepScalars step_scalars(const char* op, const at::Device& device, const std::optional<at::Tensor>& step_tensor,
+                                  int64_t step, double lr, const std::optional<at::Tensor>& lr_tensor,
+                                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                                  bool needs_step) {
+  kernels::StepScalars s;
+  if (step_tensor) {
+    check_scalar_tensor(op, "step_tensor", *step_tensor, device);
+    s.step_tensor = step_tensor->data_ptr<float>();
+  } else {
+    TORCH_CHECK_VALUE(!needs_step || step >= 1, arg_name(op, "step"),
+                      " must be >= 1 (the count including this step) when no step_tensor is given, got ", step);
+    s.step = static_cast<float>(step);
+  }
+  if (lr_tensor) {
+    check_scalar_tensor(op, "lr_tensor", *lr_tensor, device);
+    s.lr_tensor = lr_tensor->data_ptr<float>();
+  } else {
+    TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0, arg_name(op, "lr"), " must be finite and >= 0, got ", lr);
+    s.lr = static_cast<float>(lr);
+  }
+  if (grad_scale) {
+    check_scalar_tensor(op, "grad_scale", *grad_scale, device);
+    s.grad_scale = grad_scale->data_ptr<float>();
+  }
+  if (found_inf) {
+    check_scalar_tensor(op, "found_inf", *found_inf, device);
+    s.found_inf = found_inf->data_ptr<float>();
+  }
+  return s;
+}
+
+void check_range(const char* op, const char* name, double v, double lo, double hi, bool hi_open) {
+  const bool ok = v >= lo && (hi_open ? v < hi : v <= hi);
+  TORCH_CHECK_VALUE(ok, arg_name(op, name), " must be in [", lo, ", ", hi, hi_open ? ")" : "]", ", got ", v);
+}
+
+void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, const NamedList* like) {
+  for (size_t i = 0; i < list.tensors.size(); ++i) {
+    const at::Tensor& t = list.tensors[i];
+    if (!t.defined()) continue;  // reported by pack_lists with its index
+    const auto dt = t.scalar_type();
+    const bool ok = dt == at::kFloat || (allow_bf16 && dt == at::kBFloat16);
+    TORCH_CHECK_TYPE(ok, arg_name(op, list.name, static_cast<int64_t>(i)), " has dtype ", dt, "; optimizer state must be float32",
+                     allow_bf16 ? " or bfloat16" : "");
+    if (like != nullptr && i < like->tensors.size() && like->tensors[i].defined())
+      TORCH_CHECK_TYPE(dt == like->tensors[i].scalar_type(), arg_name(op, list.name, static_cast<int64_t>(i)), " has dtype ",
+                       dt, " but ", arg_name(op, like->name, static_cast<int64_t>(i)), " has ", like->tensors[i].scalar_type());
+  }
+}
+
+}  // namespace mixprec::detail

@@ -1,0 +1,35 @@
+// Ops-tier pieces every fused optimizer op shares: validation of the per-step scalars (lr, step,
+// grad_scale, found_inf), of hyper-parameters and of optimizer-state lists.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "kernels/optim_common.h"
+#include "ops/tensor_lists.h"
+
+namespace mixprec::detail {
+
+// Checks and converts the step scalars of optimizer op `op` running on `device`. Nothing runs yet:
+// the step tensor is incremented by the backend (kernels::increment_step_*) right before the update.
+kernels::StepScalars step_scalars(const char* op, const at::Device& device, const std::optional<at::Tensor>& step_tensor,
+                                  int64_t step, double lr, const std::optional<at::Tensor>& lr_tensor,
+                                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                                  bool needs_step);
+
+// Mutable pointer of the step tensor (null when absent), for the increment.
+inline float* step_tensor_ptr(const std::optional<at::Tensor>& step_tensor) {
+  return step_tensor ? step_tensor->data_ptr<float>() : nullptr;
+}
+
+// Raises ValueError "mixprec::op: name must be in [lo, hi), got v" (hi_open) or [lo, hi].
+void check_range(const char* op, const char* name, double v, double lo, double hi, bool hi_open = false);
+
+// Every tensor of `list` is float32, or (allow_bf16) bfloat16 like its counterpart in `like`.
+void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, const NamedList* like = nullptr);
+
+// A list is "absent" when empty; else it must match `ref` in length (checked later by pack_lists).
+inline bool present(at::TensorList l) { return !l.empty(); }
+
+}  // namespace mixprec::detail

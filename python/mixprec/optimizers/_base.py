@@ -1,0 +1,204 @@
+"""The base of mixprec's fused optimizers: torch.optim behaviour plus device step counts, fp32
+master weights, in-kernel loss scaling for GradScalers, and complete, validated checkpoints."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable, Optional
+
+import torch
+
+_APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
+
+
+def _device_scalar(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """A GradScaler's scale or found_inf, on `device` (non-blocking: no host sync)."""
+    if t is None:
+        return None
+    t = t.to(device=device, dtype=torch.float32, non_blocking=True)
+    return t.reshape(1) if t.dim() != 1 else t
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """torch.optim.Optimizer whose step is one mixprec op per param group.
+
+    What subclasses share:
+    - ``group["step"]`` is a one-element float32 tensor on the group's device, incremented by the
+      op itself unless the step is skipped, so nothing waits on the host;
+    - with ``master_weights=True`` every fp16/bf16 parameter has an fp32 master in
+      ``state[p]["master_param"]``; the op updates it and writes the rounded copy to the model;
+    - ``_step_supports_amp_scaling``: torch.amp.GradScaler and mixprec.GradScaler hand the loss
+      scale and found_inf to ``step()`` (as ``self.grad_scale``/``self.found_inf``); the kernel
+      unscales and skips on the device;
+    - ``state_dict()`` holds everything (moments, master weights, step counts) and loads with
+      ``torch.load(weights_only=True)``; ``load_state_dict`` validates before changing anything and
+      keeps state dtypes (torch's loader would cast fp32 state to the parameter's fp16).
+
+    Subclasses set ``_state_keys`` (per-parameter state tensors shaped like the parameter, besides
+    ``master_param``), implement ``_init_state(p, group)`` and ``_step_group(...)``.
+    """
+
+    _step_supports_amp_scaling = True
+    _state_keys: tuple[str, ...] = ()
+    _scalar_state_keys: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable[Any], defaults: dict, *, master_weights: bool = False,
+                 set_grad_none: bool = True, capturable: bool = False):
+        super().__init__(params, defaults)
+        self.master_weights = bool(master_weights)
+        self.set_grad_none = bool(set_grad_none)
+        # Kept for Apex compatibility: mixprec's steps never sync with the host, so every step is
+        # graph-capturable once lr and step live on the device.
+        self.capturable = bool(capturable)
+
+    # -- torch.optim surface ----------------------------------------------------------------
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None, **legacy):
+        bad = [k for k in legacy if k in _APEX_LEGACY_STEP_ARGS]
+        if legacy:
+            raise TypeError(
+                f"{type(self).__name__}.step() got unexpected arguments {sorted(legacy)}"
+                + (". Apex's old step(grads=..., scale=...) API is gone: initialize the optimizer like "
+                   "torch.optim's and call step() with no arguments" if bad else "")
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            device = params[0].device
+            for p in params:
+                if p.device != device:
+                    raise ValueError(f"{type(self).__name__}: param group {index} mixes devices "
+                                     f"({device} and {p.device}); put each device's params in its own group")
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            for p in params:
+                if len(self.state[p]) == 0:
+                    self._init_param_state(p, group)
+            step_tensor = self._group_step_tensor(group, device)
+            lr = group["lr"]
+            lr_tensor = None
+            if isinstance(lr, torch.Tensor):
+                lr_tensor = lr.to(device=device, dtype=torch.float32).reshape(1)
+                lr = 0.0
+            self._step_group(group, params, step_tensor=step_tensor, lr=float(lr), lr_tensor=lr_tensor,
+                             grad_scale=_device_scalar(grad_scale, device),
+                             found_inf=_device_scalar(found_inf, device))
+        return loss
+
+    # -- helpers for subclasses --------------------------------------------------------------
+    def _init_param_state(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if self.master_weights and p.dtype != torch.float32:
+            state["master_param"] = p.detach().clone(memory_format=torch.contiguous_format).float()
+        self._init_state(p, group, state)
+
+    def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
+        raise NotImplementedError
+
+    def _step_group(self, group: dict, params: list[torch.Tensor], **scalars) -> None:
+        raise NotImplementedError
+
+    def _masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One fp32 master per param (fp32 params are their own master), or [] without masters."""
+        if not self.master_weights:
+            return []
+        return [self.state[p].get("master_param", p) for p in params]
+
+    def _states(self, params: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+        return [self.state[p][key] for p in params]
+
+    @staticmethod
+    def _group_step_tensor(group: dict, device: torch.device) -> torch.Tensor:
+        step = group.get("step")
+        if not isinstance(step, torch.Tensor) or step.device != device or step.dtype != torch.float32:
+            value = step if step is not None else 0
+            step = torch.as_tensor(value, dtype=torch.float32).reshape(1).to(device)
+            group["step"] = step
+        return step
+
+    def master_params(self):
+        """Every parameter's fp32 master (the parameter itself when it is fp32 or masters are off)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield self.state[p].get("master_param", p) if p in self.state else p
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state_dict made by ``state_dict()``, validating all of it before changing anything."""
+        name = type(self).__name__
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError(f"{name}.load_state_dict: expected a dict with 'state' and 'param_groups'")
+        saved_groups = state_dict["param_groups"]
+        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{name}.load_state_dict: the checkpoint has {len(saved_groups)} param groups, "
+                             f"this optimizer has {len(self.param_groups)}")
+        id_to_param: dict[Any, torch.Tensor] = {}
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if not isinstance(saved, dict) or "params" not in saved or len(saved["params"]) != len(group["params"]):
+                got = len(saved["params"]) if isinstance(saved, dict) and "params" in saved else "no"
+                raise ValueError(f"{name}.load_state_dict: param group {gi} has {got} params in the checkpoint "
+                                 f"but {len(group['params'])} here")
+            id_to_param.update(zip(saved["params"], group["params"]))
+
+        new_state: dict[torch.Tensor, dict] = defaultdict(dict)
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in id_to_param:
+                raise ValueError(f"{name}.load_state_dict: state for unknown parameter id {pid!r}")
+            p = id_to_param[pid]
+            new_state[p] = self._validated_param_state(pid, p, saved_state)
+
+        new_groups = []
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            new_group = {k: v for k, v in saved.items() if k != "params"}
+            new_group["params"] = group["params"]
+            step = new_group.get("step")
+            if step is not None:
+                if isinstance(step, torch.Tensor):
+                    if step.numel() != 1:
+                        raise ValueError(f"{name}.load_state_dict: param group {gi} 'step' has {step.numel()} elements")
+                    step = step.detach().to(torch.float32).reshape(1)
+                elif isinstance(step, (int, float)):
+                    step = torch.tensor([float(step)])
+                else:
+                    raise ValueError(f"{name}.load_state_dict: param group {gi} 'step' is {type(step).__name__}")
+                device = group["params"][0].device if group["params"] else torch.device("cpu")
+                new_group["step"] = step.to(device)
+            new_groups.append(new_group)
+
+        self.state = new_state
+        self.param_groups = new_groups
+
+    def _validated_param_state(self, pid: Any, p: torch.Tensor, saved_state: dict) -> dict:
+        name = type(self).__name__
+        if not isinstance(saved_state, dict):
+            raise ValueError(f"{name}.load_state_dict: state of parameter {pid} is not a dict")
+        out = {}
+        for key, value in saved_state.items():
+            where = f"{name}.load_state_dict: state[{pid}][{key!r}]"
+            if key in self._state_keys or key == "master_param":
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    raise ValueError(f"{where} must be a floating-point tensor")
+                if value.shape != p.shape:
+                    raise ValueError(f"{where} has shape {tuple(value.shape)} but the parameter has {tuple(p.shape)}")
+                if key == "master_param" and value.dtype != torch.float32:
+                    raise ValueError(f"{where} must be float32, got {value.dtype}")
+                # Keep the saved dtype (fp32 moments and masters stay fp32 under fp16 params).
+                out[key] = value.detach().to(device=p.device, memory_format=torch.contiguous_format).clone()
+            elif key in self._scalar_state_keys:
+                out[key] = value.detach().to(p.device).clone() if isinstance(value, torch.Tensor) else value
+            else:
+                raise ValueError(f"{where} is not state {name} knows")
+        if self.master_weights and p.dtype != torch.float32 and "master_param" not in out and out:
+            raise ValueError(f"{name}.load_state_dict: state[{pid}] has no 'master_param' but master_weights=True "
+                             f"and the parameter is {p.dtype}")
+        return out

@@ -1,0 +1,62 @@
+"""FusedAdam: Apex's FusedAdam (Adam and AdamW) on mixprec's fused multi-tensor op."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ops
+from ._base import FusedOptimizer
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam/AdamW in one fused pass per param group, with Apex's constructor and defaults.
+
+    ``adam_w_mode=True`` (the default, as in Apex) decays weights decoupled (AdamW); False adds
+    the L2 term to the gradient (Adam). ``master_weights=True`` keeps fp32 masters of fp16/bf16
+    params, updated together with the model copy. ``state_dtype=torch.bfloat16`` stores the
+    moments in bfloat16 (a mixprec extension; halves their memory). ``amsgrad`` is supported
+    (Apex raised). ``capturable`` is accepted for Apex compatibility: every step already runs
+    without host synchronization.
+    """
+
+    _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False,
+                 *, maximize=False, state_dtype=torch.float32):
+        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
+            raise ValueError(f"FusedAdam: invalid learning rate {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"FusedAdam: invalid eps {eps}")
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"FusedAdam: invalid betas {betas}; each must be in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"FusedAdam: invalid weight_decay {weight_decay}")
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"FusedAdam: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                        weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode, maximize=maximize)
+        super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none,
+                         capturable=capturable)
+        self.state_dtype = state_dtype
+
+    def _init_state(self, p, group, state):
+        zeros = lambda: torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+        state["exp_avg"] = zeros()
+        state["exp_avg_sq"] = zeros()
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = zeros()
+
+    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
+        beta1, beta2 = group["betas"]
+        if group["amsgrad"]:
+            for p in params:  # a group switched to amsgrad after its first step
+                self.state[p].setdefault("max_exp_avg_sq", self.state[p]["exp_avg_sq"].clone())
+        _ops.adam_(
+            params, [p.grad for p in params], self._states(params, "exp_avg"), self._states(params, "exp_avg_sq"),
+            lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], maximize=group["maximize"],
+            max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if group["amsgrad"] else (),
+            master_params=self._masters(params), step_tensor=step_tensor, lr_tensor=lr_tensor,
+            grad_scale=grad_scale, found_inf=found_inf,
+        )
