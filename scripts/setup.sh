@@ -7,6 +7,7 @@
 #   MIXPREC_VENV                 venv folder (default .venv)
 #   MIXPREC_TORCH_SPEC           pip requirement for torch when none in range is importable
 #   MIXPREC_CUDA_ARCHITECTURES   CUDA architectures to build (default 80;90)
+#   MIXPREC_CUDA                 AUTO (default), ON or OFF: build CUDA kernels (OFF skips even the nvcc check)
 #   MIXPREC_BUILD_DIR            CMake build tree (default build/<wheel tag>, from pyproject.toml)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,5 +68,6 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 build_dir_arg=()
 [ -n "${MIXPREC_BUILD_DIR:-}" ] && build_dir_arg=(-C "build-dir=$MIXPREC_BUILD_DIR")
 "$VPY" -m pip install -q --no-build-isolation --no-deps "${build_dir_arg[@]}" \
-  -C "cmake.define.MIXPREC_CUDA_ARCHITECTURES=${MIXPREC_CUDA_ARCHITECTURES:-80;90}" .
+  -C "cmake.define.MIXPREC_CUDA_ARCHITECTURES=${MIXPREC_CUDA_ARCHITECTURES:-80;90}" \
+  -C "cmake.define.MIXPREC_CUDA=${MIXPREC_CUDA:-AUTO}" .
 log "ready: source $VENV/bin/activate"

@@ -60,4 +60,38 @@ TORCH_LIBRARY(mixprec, m) {
       "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
       "bool maximize=False, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
       "Tensor? found_inf=None) -> ()");
+  // SGD with torch.optim.SGD's semantics (the first step, step == 1, sets the momentum buffer to
+  // the gradient); momentum_buffers is empty iff momentum == 0. wd_after_momentum (Apex) adds
+  // the decay after the momentum update instead of to the gradient.
+  m.def(
+      "sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(e!)[] master_params, "
+      "Tensor(f!)? step_tensor, *, float lr, float momentum, float dampening, float weight_decay, bool nesterov, "
+      "bool wd_after_momentum=False, bool maximize=False, int step=0, Tensor? lr_tensor=None, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+  // LAMB (You et al. 2019) with Apex's options: grads clipped by max_grad_norm against the
+  // global gradient norm (global_grad_norm, the unscaled norm over all groups, computed here
+  // from grads when None), per-tensor trust ratio ||w|| / ||update||, use_nvlamb applying it
+  // also to tensors without weight decay; adam_w_mode picks decoupled decay.
+  m.def(
+      "lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool bias_correction, bool grad_averaging, bool adam_w_mode, float max_grad_norm, "
+      "bool use_nvlamb, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
+      "Tensor? global_grad_norm=None) -> ()");
+  // Adagrad with torch.optim.Adagrad's lr_decay; adagrad_w_mode (Apex) decays decoupled,
+  // otherwise the L2 term is added to the gradient.
+  m.def(
+      "adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, Tensor(e!)[] master_params, "
+      "Tensor(f!)? step_tensor, *, float lr, float eps, float weight_decay, float lr_decay, bool adagrad_w_mode, "
+      "bool maximize=False, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
+      "Tensor? found_inf=None) -> ()");
+  // NovoGrad (Ginsburg et al. 2019) with Apex's options: a per-tensor second moment
+  // (exp_avg_sq_norms, float32 [len(params)]) from the norm of each gradient (norm_type 2 or
+  // inf), grad_averaging, reg_inside_moment, init_zero.
+  m.def(
+      "novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!) exp_avg_sq_norms, "
+      "Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, float beta1, float beta2, float eps, "
+      "float weight_decay, bool bias_correction, bool grad_averaging, bool reg_inside_moment, float norm_type, "
+      "bool init_zero, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
+      "Tensor? found_inf=None) -> ()");
 }

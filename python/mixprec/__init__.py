@@ -4,7 +4,17 @@ Importing loads the compiled op library (torch.ops.mixprec) and never initialize
 """
 
 from . import _library
-from ._ops import adam_, multi_tensor_norm, non_finite_check_and_unscale_, scale_, update_scale_
+from ._ops import (
+    adagrad_,
+    adam_,
+    lamb_,
+    multi_tensor_norm,
+    non_finite_check_and_unscale_,
+    novograd_,
+    scale_,
+    sgd_,
+    update_scale_,
+)
 
 from . import optimizers  # noqa: E402  (needs the ops loaded above)
 
@@ -14,7 +24,11 @@ __version__ = "0.1.0"
 cmake_prefix_path = _library.cmake_prefix_path()
 
 __all__ = [
+    "adagrad_",
     "adam_",
+    "lamb_",
+    "novograd_",
+    "sgd_",
     "cmake_prefix_path",
     "multi_tensor_norm",
     "optimizers",

@@ -116,3 +116,130 @@ def adam_(
         bias_correction=bias_correction, maximize=maximize, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale,
         found_inf=found_inf,
     )
+
+
+def sgd_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    wd_after_momentum: bool = False,
+    maximize: bool = False,
+    master_params: Sequence[torch.Tensor] = (),
+    step_tensor: Optional[torch.Tensor] = None,
+    step: int = 0,
+    lr_tensor: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """One fused SGD step with torch.optim.SGD's semantics (the first step sets the momentum
+    buffer to the gradient). ``momentum_buffers`` is empty when ``momentum == 0``. The shared
+    arguments (master_params, step_tensor, step, lr_tensor, grad_scale, found_inf) are as in
+    :func:`adam_`."""
+    _ops.sgd_(
+        list(params), list(grads), list(momentum_buffers), list(master_params), step_tensor, lr=lr,
+        momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+        wd_after_momentum=wd_after_momentum, maximize=maximize, step=step, lr_tensor=lr_tensor,
+        grad_scale=grad_scale, found_inf=found_inf,
+    )
+
+
+def lamb_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    adam_w_mode: bool = True,
+    max_grad_norm: float = 1.0,
+    use_nvlamb: bool = False,
+    master_params: Sequence[torch.Tensor] = (),
+    step_tensor: Optional[torch.Tensor] = None,
+    step: int = 0,
+    lr_tensor: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+    global_grad_norm: Optional[torch.Tensor] = None,
+) -> None:
+    """One fused LAMB step. ``global_grad_norm`` (float32, one element) is the norm of the
+    unscaled gradients over every group, used for clipping to ``max_grad_norm``; when None it
+    is computed from ``grads``. Shared arguments as in :func:`adam_`."""
+    _ops.lamb_(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(master_params), step_tensor, lr=lr,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+        grad_averaging=grad_averaging, adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb,
+        step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf, global_grad_norm=global_grad_norm,
+    )
+
+
+def adagrad_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    state_sums: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    eps: float = 1e-10,
+    weight_decay: float = 0.0,
+    lr_decay: float = 0.0,
+    adagrad_w_mode: bool = False,
+    maximize: bool = False,
+    master_params: Sequence[torch.Tensor] = (),
+    step_tensor: Optional[torch.Tensor] = None,
+    step: int = 0,
+    lr_tensor: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """One fused Adagrad step (torch.optim.Adagrad's lr_decay; ``adagrad_w_mode`` decays weights
+    decoupled as Apex does). Shared arguments as in :func:`adam_`."""
+    _ops.adagrad_(
+        list(params), list(grads), list(state_sums), list(master_params), step_tensor, lr=lr, eps=eps,
+        weight_decay=weight_decay, lr_decay=lr_decay, adagrad_w_mode=adagrad_w_mode, maximize=maximize, step=step,
+        lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+    )
+
+
+def novograd_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sq_norms: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    reg_inside_moment: bool = False,
+    norm_type: float = 2.0,
+    init_zero: bool = False,
+    master_params: Sequence[torch.Tensor] = (),
+    step_tensor: Optional[torch.Tensor] = None,
+    step: int = 0,
+    lr_tensor: Optional[torch.Tensor] = None,
+    grad_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """One fused NovoGrad step: per-tensor second moments in ``exp_avg_sq_norms`` (float32,
+    ``len(params)``), from each gradient's norm (``norm_type`` 2 or inf). Shared arguments as in
+    :func:`adam_`."""
+    _ops.novograd_(
+        list(params), list(grads), list(exp_avgs), exp_avg_sq_norms, list(master_params), step_tensor, lr=lr,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+        grad_averaging=grad_averaging, reg_inside_moment=reg_inside_moment, norm_type=float(norm_type),
+        init_zero=init_zero, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+    )
