@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One batched session on a GPU machine (the H200 device tool): build for one architecture, run
+# every test including the CUDA ones, the benchmarks and a compute-sanitizer pass, logging under
+# $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
+#   usage: scripts/gpu_session.sh [build] [tests] [bench] [sanitize] [cpp]   (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+steps=${*:-build cpp tests bench sanitize}
+PY=${PYTHON:-python3}
+ARCH=${MIXPREC_CUDA_ARCHITECTURES:-90}
+
+run() {  # run NAME CMD...: log to $OUT/NAME.log, print the tail, keep going on failure
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+  tail -n 25 "$OUT/$name.log"
+  return $rc
+}
+
+{ nvidia-smi -L; $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee "$OUT/env.log"
+
+if [[ $steps == *build* ]]; then
+  export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+  run build $PY -m pip install --no-build-isolation --no-deps -v -C build-dir=/tmp/mixprec-build \
+    -C cmake.define.MIXPREC_CUDA=ON -C "cmake.define.MIXPREC_CUDA_ARCHITECTURES=$ARCH" . || exit 1
+fi
+if [[ $steps == *cpp* ]]; then
+  prefix=$(cd /tmp && $PY -c 'import mixprec, torch; print(mixprec.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')
+  run cpp bash -c "cmake -S tests/cpp -B /tmp/mixprec-cpptests -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH='$prefix' && cmake --build /tmp/mixprec-cpptests && \
+    ctest --test-dir /tmp/mixprec-cpptests --output-on-failure"
+fi
+if [[ $steps == *tests* ]]; then
+  run tests $PY -m pytest tests/python -q -rs -x --timeout=900 -p no:cacheprovider ${PYTEST_ARGS:-}
+fi
+if [[ $steps == *bench* ]]; then
+  run bench_loss_scale $PY benchmarks/loss_scale_ops.py --out "$OUT/loss_scale_ops.json"
+  run bench_optimizer $PY benchmarks/optimizer_step.py --out "$OUT/optimizer_step.json"
+fi
+if [[ $steps == *sanitize* ]]; then
+  run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY -m pytest tests/python -q -x -m cuda -k "${SANITIZE_K:-loss_scale or norm or adam}" -p no:cacheprovider
+fi
