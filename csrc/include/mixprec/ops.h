@@ -67,4 +67,106 @@ inline std::tuple<at::Tensor, at::Tensor> multi_tensor_norm(at::TensorList tenso
   return op.call(tensors, ord, per_tensor);
 }
 
+// ---- fused optimizer steps --------------------------------------------------------------------
+// Scalars shared by every optimizer op (see csrc/ops/library.cpp): lr and step from the host, or
+// one-element float32 device tensors (then a step is CUDA-graph capturable); grads divided by
+// grad_scale inside the kernel; found_inf set makes the whole step a no-op. step_tensor is
+// incremented on the device unless the step is skipped; without it, `step` counts this step.
+struct StepArgs {
+  double lr = 1e-3;
+  std::optional<at::Tensor> step_tensor;
+  int64_t step = 0;
+  std::optional<at::Tensor> lr_tensor;
+  std::optional<at::Tensor> grad_scale;
+  std::optional<at::Tensor> found_inf;
+};
+
+struct AdamArgs {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  bool adam_w_mode = true, bias_correction = true, maximize = false;
+};
+
+// amsgrad when max_exp_avg_sqs is non-empty; fp32 master weights when master_params is non-empty.
+inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a,
+                  const StepArgs& s) {
+  using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                   const std::optional<at::Tensor>&, double, double, double, double, double, bool, bool, bool, int64_t,
+                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::adam_", "").typed<Sig>();
+  op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, s.step_tensor, s.lr, a.beta1, a.beta2,
+          a.eps, a.weight_decay, a.adam_w_mode, a.bias_correction, a.maximize, s.step, s.lr_tensor, s.grad_scale,
+          s.found_inf);
+}
+
+struct SgdArgs {
+  double momentum = 0.0, dampening = 0.0, weight_decay = 0.0;
+  bool nesterov = false, wd_after_momentum = false, maximize = false;
+};
+
+// momentum_buffers is empty iff momentum == 0.
+inline void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                 at::TensorList master_params, const SgdArgs& a, const StepArgs& s) {
+  using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const std::optional<at::Tensor>&,
+                   double, double, double, double, bool, bool, bool, int64_t, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::sgd_", "").typed<Sig>();
+  op.call(params, grads, momentum_buffers, master_params, s.step_tensor, s.lr, a.momentum, a.dampening,
+          a.weight_decay, a.nesterov, a.wd_after_momentum, a.maximize, s.step, s.lr_tensor, s.grad_scale, s.found_inf);
+}
+
+struct LambArgs {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-6, weight_decay = 0.01, max_grad_norm = 1.0;
+  bool bias_correction = true, grad_averaging = true, adam_w_mode = true, use_nvlamb = false;
+};
+
+// global_grad_norm: the unscaled gradient norm over every group (computed from grads when absent).
+inline void lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                  at::TensorList master_params, const LambArgs& a, const StepArgs& s,
+                  const std::optional<at::Tensor>& global_grad_norm = std::nullopt) {
+  using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                   const std::optional<at::Tensor>&, double, double, double, double, double, bool, bool, bool, double,
+                   bool, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::lamb_", "").typed<Sig>();
+  op.call(params, grads, exp_avgs, exp_avg_sqs, master_params, s.step_tensor, s.lr, a.beta1, a.beta2, a.eps,
+          a.weight_decay, a.bias_correction, a.grad_averaging, a.adam_w_mode, a.max_grad_norm, a.use_nvlamb, s.step,
+          s.lr_tensor, s.grad_scale, s.found_inf, global_grad_norm);
+}
+
+struct AdagradArgs {
+  double eps = 1e-10, weight_decay = 0.0, lr_decay = 0.0;
+  bool adagrad_w_mode = false, maximize = false;
+};
+
+inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                     at::TensorList master_params, const AdagradArgs& a, const StepArgs& s) {
+  using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const std::optional<at::Tensor>&,
+                   double, double, double, double, bool, bool, int64_t, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::adagrad_", "").typed<Sig>();
+  op.call(params, grads, state_sums, master_params, s.step_tensor, s.lr, a.eps, a.weight_decay, a.lr_decay,
+          a.adagrad_w_mode, a.maximize, s.step, s.lr_tensor, s.grad_scale, s.found_inf);
+}
+
+struct NovoGradArgs {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, norm_type = 2.0;
+  bool bias_correction = true, grad_averaging = true, reg_inside_moment = false, init_zero = false;
+};
+
+// exp_avg_sq_norms: float32 [len(params)], the per-tensor second moments.
+inline void novograd_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      const at::Tensor& exp_avg_sq_norms, at::TensorList master_params, const NovoGradArgs& a,
+                      const StepArgs& s) {
+  using Sig = void(at::TensorList, at::TensorList, at::TensorList, const at::Tensor&, at::TensorList,
+                   const std::optional<at::Tensor>&, double, double, double, double, double, bool, bool, bool, double,
+                   bool, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::novograd_", "").typed<Sig>();
+  op.call(params, grads, exp_avgs, exp_avg_sq_norms, master_params, s.step_tensor, s.lr, a.beta1, a.beta2, a.eps,
+          a.weight_decay, a.bias_correction, a.grad_averaging, a.reg_inside_moment, a.norm_type, a.init_zero, s.step,
+          s.lr_tensor, s.grad_scale, s.found_inf);
+}
+
 }  // namespace mixprec
