@@ -29,12 +29,14 @@ struct ScaleUpdateParams {
   int32_t* hysteresis_tracker = nullptr;  // overflows still tolerated; null means hysteresis 1
   int64_t* skipped_steps = nullptr;       // incremented on every overflow; may be null
   const float* found_inf = nullptr;
-  float growth_factor = 2.f;
-  float backoff_factor = 0.5f;
+  // Factors and bounds stay double: torch multiplies the float scale by the double factor and
+  // rounds once, and matching it bit for bit needs the same (e.g. backoff 0.3 is not a float).
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
   int32_t growth_interval = 2000;
   int32_t hysteresis = 1;
-  float min_scale = 0.f;
-  float max_scale = 0.f;  // 0: unbounded (only kept finite, as torch does)
+  double min_scale = 0.0;
+  double max_scale = 0.0;  // 0: unbounded (only kept finite, as torch does)
 };
 
 // The scale update itself, shared verbatim by the CPU function and the one-thread CUDA kernel.
@@ -46,7 +48,7 @@ MIXPREC_HOST_DEVICE inline void update_scale_step(const ScaleUpdateParams& p) {
     // Hysteresis: back off only on the hysteresis-th overflow since the last change of scale.
     int32_t tolerated = p.hysteresis_tracker != nullptr ? *p.hysteresis_tracker - 1 : 0;
     if (tolerated <= 0) {
-      *p.scale = fmaxf(scale * p.backoff_factor, p.min_scale);
+      *p.scale = static_cast<float>(fmax(static_cast<double>(scale) * p.backoff_factor, p.min_scale));
       tolerated = p.hysteresis;
     }
     if (p.hysteresis_tracker != nullptr) *p.hysteresis_tracker = tolerated;
@@ -54,10 +56,11 @@ MIXPREC_HOST_DEVICE inline void update_scale_step(const ScaleUpdateParams& p) {
   }
   const int32_t successful = *p.growth_tracker + 1;
   if (successful >= p.growth_interval) {
-    float grown = scale * p.growth_factor;
-    if (p.max_scale > 0.f) grown = fminf(grown, p.max_scale);
-    // Like torch: never grow into inf.
-    if (grown - grown == 0.f) *p.scale = grown;  // finite: inf - inf and NaN - NaN are NaN
+    double grown = static_cast<double>(scale) * p.growth_factor;
+    if (p.max_scale > 0.0) grown = fmin(grown, p.max_scale);
+    // Like torch: never grow into inf (as a float). Finite test: inf - inf and NaN - NaN are NaN.
+    const float g = static_cast<float>(grown);
+    if (g - g == 0.f) *p.scale = g;
     *p.growth_tracker = 0;
     if (p.hysteresis_tracker != nullptr) *p.hysteresis_tracker = p.hysteresis;
   } else {

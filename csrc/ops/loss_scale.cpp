@@ -3,6 +3,8 @@
 
 #include <c10/core/DeviceGuard.h>
 
+#include <cmath>
+
 #include "ops/tensor_lists.h"
 
 namespace mixprec::detail {
@@ -15,7 +17,8 @@ void non_finite_check_and_unscale_impl(at::TensorList grads, const std::optional
     TORCH_CHECK_VALUE(out.empty(), arg_name(kOp, "out"), " has ", out.size(), " tensors but grads has 0");
     return;
   }
-  const at::Device device = op_device(kOp, {"grads", grads}, found_inf);
+  // The grads decide the device, so a misplaced scalar is the argument the error names.
+  const at::Device device = op_device(kOp, {"grads", grads}, std::nullopt);
   if (found_inf) check_scalar_tensor(kOp, "found_inf", *found_inf, device);
   if (inv_scale) check_scalar_tensor(kOp, "inv_scale", *inv_scale, device);
   if (per_tensor_found) {
@@ -62,7 +65,8 @@ void update_scale_impl(const at::Tensor& scale, const at::Tensor& growth_tracker
                     " must be a positive 32-bit integer, got ", growth_interval);
   TORCH_CHECK_VALUE(hysteresis >= 1 && hysteresis <= INT32_MAX, arg_name(kOp, "hysteresis"),
                     " must be a positive 32-bit integer, got ", hysteresis);
-  TORCH_CHECK_VALUE(min_scale >= 0, arg_name(kOp, "min_scale"), " must be >= 0, got ", min_scale);
+  TORCH_CHECK_VALUE(min_scale >= 0 && std::isfinite(min_scale), arg_name(kOp, "min_scale"),
+                    " must be finite and >= 0, got ", min_scale);
   TORCH_CHECK_VALUE(max_scale == 0 || max_scale >= min_scale, arg_name(kOp, "max_scale"),
                     " must be 0 (no cap) or >= min_scale = ", min_scale, ", got ", max_scale);
   TORCH_CHECK_VALUE(hysteresis == 1 || hysteresis_tracker.has_value(), arg_name(kOp, "hysteresis_tracker"),
@@ -74,12 +78,12 @@ void update_scale_impl(const at::Tensor& scale, const at::Tensor& growth_tracker
   p.hysteresis_tracker = hysteresis_tracker ? hysteresis_tracker->data_ptr<int32_t>() : nullptr;
   p.skipped_steps = skipped_steps ? skipped_steps->data_ptr<int64_t>() : nullptr;
   p.found_inf = found_inf.data_ptr<float>();
-  p.growth_factor = static_cast<float>(growth_factor);
-  p.backoff_factor = static_cast<float>(backoff_factor);
+  p.growth_factor = growth_factor;
+  p.backoff_factor = backoff_factor;
   p.growth_interval = static_cast<int32_t>(growth_interval);
   p.hysteresis = static_cast<int32_t>(hysteresis);
-  p.min_scale = static_cast<float>(min_scale);
-  p.max_scale = static_cast<float>(max_scale);
+  p.min_scale = min_scale;
+  p.max_scale = max_scale;
   const c10::DeviceGuard guard(device);
   run(p);
 }

@@ -27,9 +27,11 @@ def non_finite_check_and_unscale_(
     """Sets ``found_inf`` to 1 if any element of ``grads`` is inf or NaN, in one pass.
 
     With ``inv_scale`` the gradients are also multiplied by it: in place, or into ``out`` (same
-    shapes, any of float32/float16/bfloat16, e.g. fp32 master gradients from fp16 grads). Without
-    it the op only reads. ``per_tensor_found`` (float32, ``len(grads)``) gets a 1 for each tensor
-    that held a non-finite value, at no extra pass. ``found_inf=None`` gives pure scaling.
+    shapes, any of float32/float16/bfloat16, e.g. fp32 master gradients from fp16 grads). With
+    ``out`` and no ``inv_scale`` they are copied (converted) into ``out``; with neither, the op
+    only reads. ``per_tensor_found`` (float32, ``len(grads)``) gets a 1 for each tensor that held
+    a non-finite value, at no extra pass. Like ``found_inf`` it is only ever set, never cleared:
+    zero both before a step. ``found_inf=None`` gives pure scaling.
     """
     _ops.non_finite_check_and_unscale_(list(grads), found_inf, inv_scale, list(out), per_tensor_found)
 

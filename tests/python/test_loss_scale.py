@@ -1,0 +1,797 @@
+# Tests of the loss-scaling ops (mixprec.non_finite_check_and_unscale_, scale_, update_scale_) on
+# CPU and CUDA: float64 and bitwise references, torch's _amp_* ops, edge sizes, inf/NaN, bad inputs.
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mixprec
+from conftest import (
+    CHUNK,
+    FLOAT_DTYPES,
+    MANY_TENSORS,
+    NON_FINITE,
+    assert_bitwise_equal,
+    assert_rel_err,
+    assert_unchanged,
+    boundary_sizes,
+    check_rejected,
+    inject_non_finite,
+    mostly_one_dtype,
+    peer_bound,
+    poisoned_like,
+    random_tensor,
+    random_tensors,
+    snapshot,
+    sync,
+    unaligned_view,
+)
+
+OP = "non_finite_check_and_unscale_"
+MODES = ("in_place", "out", "check")
+GRAD_SCALE = 1000.0  # gradients as a loss scaler sees them: scaled up
+
+
+def scalar(value: float, device, dtype=torch.float32) -> torch.Tensor:
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32 (round to nearest even; inf on overflow)."""
+    return torch.tensor(x, dtype=torch.float64).to(torch.float32).item()
+
+
+def random_inv_scale(rng) -> float:
+    # Not a power of two, so the product really rounds and a wrong rounding shows.
+    return f32(1.0 / rng.uniform(700.0, 1300.0))
+
+
+def expected_unscaled(before: torch.Tensor, inv: float | None, dtype: torch.dtype) -> torch.Tensor:
+    """What the op must write: one fp32 product, rounded once to ``dtype`` (as torch computes)."""
+    x = before.detach().cpu().to(torch.float32)
+    if inv is not None:
+        x = x * torch.tensor(inv, dtype=torch.float32)
+    return x.to(dtype)
+
+
+def assert_unscaled(out: torch.Tensor, before: torch.Tensor, inv: float | None, what: str) -> None:
+    """Bitwise equal to plain PyTorch's fp32 arithmetic (NaN payloads aside), and within
+    DESIGN.md's bound of the float64 product where the input was finite."""
+    expected = expected_unscaled(before, inv, out.dtype)
+    assert_bitwise_equal(out.detach().cpu(), expected, what, nan_equal=True)
+    b = before.detach().cpu()
+    finite = b.isfinite()  # non-finite positions are zeroed on both sides (cheaper than masking)
+    ref64 = torch.where(finite, b.to(torch.float64) * (1.0 if inv is None else inv), 0.0)
+    o = torch.where(finite, out.detach().cpu().to(torch.float64), 0.0)
+    peer = torch.where(finite, expected.to(torch.float64), 0.0)
+    assert_rel_err(o, ref64, peer_bound(out.dtype, peer, ref64), what)
+
+
+def one_hot(n: int, hot, device) -> torch.Tensor:
+    t = torch.zeros(n, dtype=torch.float32)
+    t[list(hot)] = 1.0
+    return t.to(device)
+
+
+class Unscale:
+    """One call of the op in a given mode over ``grads``, with every checkable output."""
+
+    def __init__(self, mode: str, grads, device, inv: float | None, out_dtypes=None):
+        self.mode, self.grads, self.device, self.inv = mode, grads, device, inv
+        self.before = snapshot(grads)
+        self.found_inf = scalar(0.0, device)
+        self.per_tensor = torch.zeros(len(grads), device=device)
+        self.out: list[torch.Tensor] = []
+        if mode == "out":
+            dts = out_dtypes or [torch.float32] * len(grads)
+            self.out = [poisoned_like(g, dts[i % len(dts)]) for i, g in enumerate(grads)]
+        if mode == "check":
+            self.inv = None
+
+    def run(self):
+        inv = None if self.inv is None else scalar(self.inv, self.device)
+        mixprec.non_finite_check_and_unscale_(self.grads, self.found_inf, inv, self.out, self.per_tensor)
+        sync(self.device)
+        return self
+
+    def check(self, bad_indices=()) -> None:
+        bad = sorted(set(bad_indices))
+        assert self.found_inf.item() == (1.0 if bad else 0.0), f"{self.mode}: found_inf, bad tensors {bad}"
+        assert_bitwise_equal(self.per_tensor.cpu(), one_hot(len(self.grads), bad, "cpu"),
+                             f"{self.mode}: per_tensor_found")
+        if self.mode == "in_place":
+            assert_all_unscaled(self.grads, self.before, self.inv, "in place grads")
+        else:
+            assert_unchanged(self.before, self.grads, f"{self.mode}: grads")
+            assert_all_unscaled(self.out, self.before, self.inv, "out")
+
+
+def assert_all_unscaled(outs, befores, inv, what: str) -> None:
+    """assert_unscaled over lists, one comparison per dtype pair (thousands of tiny tensors stay
+    fast); on a failure the tensors are checked one by one so that the message names the index."""
+    groups: dict = {}
+    for i, (o, b) in enumerate(zip(outs, befores)):
+        groups.setdefault((b.dtype, o.dtype), []).append(i)
+    for (bd, od), idx in groups.items():
+        try:
+            assert_unscaled(torch.cat([outs[i].detach().reshape(-1) for i in idx]),
+                            torch.cat([befores[i].reshape(-1) for i in idx]), inv, f"{what} ({bd} -> {od})")
+        except AssertionError:
+            for i in idx:
+                assert_unscaled(outs[i], befores[i], inv, f"{what}[{i}] ({bd} -> {od})")
+            raise
+
+
+# ---- non_finite_check_and_unscale_: values -------------------------------------------------------
+
+
+def test_unscale_in_place_mixed_dtypes_and_boundary_sizes(device, gen, rng):
+    sizes = boundary_sizes(rng)
+    grads = random_tensors(sizes, FLOAT_DTYPES, device, gen, GRAD_SCALE)
+    view, base = unaligned_view(CHUNK + 1, torch.float16, device, gen, GRAD_SCALE)  # unaligned path
+    base_before = base.clone()
+    grads.append(view)
+    grads.append(random_tensor((3, CHUNK // 2 + 1), torch.bfloat16, device, gen, GRAD_SCALE))  # 2-D
+    u = Unscale("in_place", grads, device, random_inv_scale(rng)).run()
+    u.check()
+    assert_bitwise_equal(base[[0, -1]].cpu(), base_before[[0, -1]].cpu(), "wrote outside an offset view")
+
+
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("in_dtype", FLOAT_DTYPES, ids=str)
+def test_unscale_into_out_of_another_dtype(device, in_dtype, out_dtype, gen, rng):
+    # fp16 -> fp32 master grads is the main use; every pair must work, every element be written
+    # (outputs are NaN-poisoned), grads stay bit-identical, also when an inf is found.
+    sizes = boundary_sizes(rng)
+    grads = random_tensors(sizes, in_dtype, device, gen, GRAD_SCALE)
+    bad = rng.randrange(len(grads))
+    inject_non_finite(grads[bad], "random", rng.choice(NON_FINITE), gen)
+    u = Unscale("out", grads, device, random_inv_scale(rng), [out_dtype])
+    view, base = unaligned_view(CHUNK + 7, out_dtype, device, gen)
+    base.fill_(math.nan)
+    u.grads.append(random_tensor(CHUNK + 7, in_dtype, device, gen, GRAD_SCALE))
+    u.before.append(u.grads[-1].clone())
+    u.out.append(view)
+    u.per_tensor = torch.zeros(len(u.grads), device=device)
+    u.run().check([bad])
+    assert bool(base[[0, -1]].isnan().all()), "wrote outside an offset out view"
+
+
+def test_unscale_into_out_with_mixed_dtypes_in_both_lists(device, gen, rng):
+    sizes = boundary_sizes(rng)
+    grads = random_tensors(sizes, FLOAT_DTYPES, device, gen, GRAD_SCALE)
+    out_dtypes = [rng.choice(FLOAT_DTYPES) for _ in sizes]
+    Unscale("out", grads, device, random_inv_scale(rng), out_dtypes).run().check()
+
+
+def test_out_without_inv_scale_is_a_plain_conversion(device, gen, rng):
+    grads = random_tensors([CHUNK + 1, 333, CHUNK], FLOAT_DTYPES, device, gen, GRAD_SCALE)
+    u = Unscale("out", grads, device, None, [torch.float16, torch.float32, torch.bfloat16]).run()
+    u.check()
+
+
+def test_check_only_writes_nothing(device, gen, rng):
+    sizes = boundary_sizes(rng)
+    grads = random_tensors(sizes, FLOAT_DTYPES, device, gen, GRAD_SCALE)
+    Unscale("check", grads, device, None).run().check()  # clean: found stays 0, grads bitwise
+    bad = rng.sample(range(len(grads)), 2)
+    for i in bad:
+        inject_non_finite(grads[i], "random", rng.choice(NON_FINITE), gen)
+    Unscale("check", grads, device, None).run().check(bad)
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("where", ["first", "last", "random"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_non_finite_found_at_every_position(device, dtype, where, value, gen, rng):
+    # The bad tensor straddles chunks, so "last" and most "random" positions sit past chunk 0.
+    sizes = [2 * CHUNK + rng.randint(1, 999), rng.randint(1, 100)]
+    clean = random_tensors(sizes, dtype, device, gen, GRAD_SCALE)
+    k = rng.randrange(len(sizes))
+    inject_non_finite(clean[k], where, value, gen)
+    for mode in MODES:
+        grads = [g.clone() for g in clean]
+        Unscale(mode, grads, device, random_inv_scale(rng), [torch.float32]).run().check([k])
+
+
+def test_found_inf_is_sticky_and_checks_inputs_not_products(device):
+    # found_inf is only ever set, never cleared (torch's contract: one flag over several calls).
+    grads = [torch.ones(5, device=device)]
+    found = scalar(1.0, device)
+    mixprec.non_finite_check_and_unscale_(grads, found, scalar(0.5, device))
+    assert found.item() == 1.0
+    # A finite input whose product overflows the output type is not an overflow of the
+    # gradients (torch tests before scaling too): found_inf stays 0, the output holds inf.
+    g = torch.full((17,), 60000.0, dtype=torch.float16, device=device)
+    found = scalar(0.0, device)
+    mixprec.non_finite_check_and_unscale_([g], found, scalar(4.0, device))
+    assert found.item() == 0.0 and bool(g.isinf().all())
+    g32 = torch.full((9,), 1e6, device=device)
+    out = [poisoned_like(g32, torch.float16)]
+    mixprec.non_finite_check_and_unscale_([g32], found, None, out)
+    assert found.item() == 0.0 and bool((out[0] == math.inf).all())
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_16_bit_pattern_converts_exactly(device, in_dtype):
+    # All 65536 fp16/bf16 values, subnormals, infs and NaNs included, into fp32 and back.
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype).to(device)
+    out = [poisoned_like(x, torch.float32)]
+    found = scalar(0.0, device)
+    mixprec.non_finite_check_and_unscale_([x], found, None, out)
+    assert found.item() == 1.0
+    assert_bitwise_equal(out[0].cpu(), x.cpu().to(torch.float32), f"{in_dtype} -> float32", nan_equal=True)
+    back = [poisoned_like(x)]
+    mixprec.non_finite_check_and_unscale_(out, None, None, back)
+    assert_bitwise_equal(back[0].cpu(), x.cpu(), f"{in_dtype} -> float32 -> {in_dtype}", nan_equal=True)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_float32_rounds_to_nearest_even_like_torch(device, out_dtype, gen):
+    # Random bit patterns over every float32 exponent (overflow, subnormal results, ties) and
+    # exact ties and boundaries of the 16-bit formats.
+    bits = torch.randint(-(2**31), 2**31, (CHUNK + 3,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    ties = torch.tensor([65504.0, 65519.99, 65520.0, 2.0**-24, 2.0**-25, 1.5 * 2.0**-25, 2.0**-14, 1 + 2.0**-11,
+                         1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8, 3.3895314e38, -0.0, 0.0, 1e-45])
+    x = torch.cat([x, ties, -ties]).to(device)
+    out = [poisoned_like(x, out_dtype)]
+    mixprec.non_finite_check_and_unscale_([x], scalar(0.0, device), None, out)
+    assert_bitwise_equal(out[0].cpu(), x.cpu().to(out_dtype), f"float32 -> {out_dtype}", nan_equal=True)
+
+
+@given(
+    specs=st.lists(
+        st.tuples(
+            st.one_of(
+                st.sampled_from([(0,), (1,), (2,), (15,), (17,), (CHUNK - 1,), (CHUNK,), (CHUNK + 1,)]),
+                st.tuples(st.integers(0, 300)),
+                st.tuples(st.integers(0, 40), st.integers(0, 40)),
+            ),
+            st.sampled_from(FLOAT_DTYPES),
+            st.sampled_from(FLOAT_DTYPES),
+            st.sampled_from([None, "first", "last", "random"]),
+            st.sampled_from(NON_FINITE),
+        ),
+        max_size=8,
+    ),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_unscale_random_lists(device, specs, mode, seed):
+    gen = torch.Generator().manual_seed(seed)
+    grads = [random_tensor(shape, dt, device, gen, GRAD_SCALE) for shape, dt, *_ in specs]
+    bad = []
+    for i, (shape, _, _, where, value) in enumerate(specs):
+        if where is not None and grads[i].numel() > 0:
+            inject_non_finite(grads[i], where, value, gen)
+            bad.append(i)
+    inv = f32(1.0 / (700.0 + 600.0 * torch.rand((), generator=gen).item()))
+    Unscale(mode, grads, device, inv, [s[2] for s in specs] or None).run().check(bad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_more_tensors_than_one_launch_table_holds(device, mode, gen, rng):
+    sizes = [rng.randint(1, 40) for _ in range(MANY_TENSORS)]
+    for i in rng.sample(range(MANY_TENSORS), 3):
+        sizes[i] = CHUNK + rng.randint(1, 100)  # a few multi-chunk tensors among them
+    for i in rng.sample(range(MANY_TENSORS), 5):
+        sizes[i] = 0
+    grads = random_tensors(sizes, mostly_one_dtype(MANY_TENSORS, rng), device, gen, GRAD_SCALE)
+    out_dtypes = mostly_one_dtype(MANY_TENSORS, rng)
+    u = Unscale(mode, grads, device, random_inv_scale(rng), out_dtypes)
+    u.run().check()
+    # Flags from tensors in later launches must land at their own index.
+    nonempty = [i for i, s in enumerate(sizes) if s > 0]
+    bad = {nonempty[0], nonempty[-1]} | set(rng.sample(nonempty, 4))
+    grads = [g.clone() for g in grads]
+    for i in bad:
+        inject_non_finite(grads[i], "random", rng.choice(NON_FINITE), gen)
+    u = Unscale(mode, grads, device, random_inv_scale(rng), out_dtypes)
+    u.run().check(bad)
+
+
+def test_empty_list(device):
+    found, inv = scalar(0.0, device), scalar(0.25, device)
+    mixprec.non_finite_check_and_unscale_([], found, inv)
+    mixprec.non_finite_check_and_unscale_([], found, None, [], torch.zeros(0, device=device))
+    mixprec.scale_([], inv)
+    sync(device)
+    assert found.item() == 0.0 and inv.item() == 0.25
+    found.fill_(1.0)
+    mixprec.non_finite_check_and_unscale_([], found, inv)
+    assert found.item() == 1.0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_size_tensors(device, mode, gen, rng):
+    shapes = [(0,), (CHUNK + 1,), (0, 5), (3,), (5, 0, 2), (CHUNK,)]
+    grads = [random_tensor(s, FLOAT_DTYPES[i % 3], device, gen, GRAD_SCALE) for i, s in enumerate(shapes)]
+    inject_non_finite(grads[3], "last", math.nan, gen)
+    Unscale(mode, grads, device, random_inv_scale(rng), [torch.float16, torch.float32]).run().check([3])
+    only_empty = [torch.empty(0, device=device), torch.empty(4, 0, device=device, dtype=torch.float16)]
+    Unscale(mode, only_empty, device, random_inv_scale(rng)).run().check()
+
+
+def test_scale_multiplies_in_place(device, gen, rng):
+    # scale_ is gradient clipping's multiply by a device coefficient; non-finite values are
+    # scaled like any other and raise nothing.
+    grads = random_tensors(boundary_sizes(rng), FLOAT_DTYPES, device, gen)
+    inject_non_finite(grads[0], "first", math.inf, gen)
+    before = snapshot(grads)
+    coef = f32(rng.uniform(0.05, 0.95))
+    mixprec.scale_(grads, scalar(coef, device))
+    for i, (g, b) in enumerate(zip(grads, before)):
+        assert_unscaled(g, b, coef, f"scale_ tensors[{i}]")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_unscale_equals_torch_amp_foreach(device, dtype, gen, rng):
+    sizes = boundary_sizes(rng)
+    for trial in range(3):
+        ours = random_tensors(sizes, dtype, device, gen, GRAD_SCALE)
+        if trial == 1:  # non-finite values, and finite ones whose product overflows
+            for i in rng.sample(range(len(ours)), 3):
+                inject_non_finite(ours[i], rng.choice(["first", "last", "random"]), rng.choice(NON_FINITE), gen)
+            ours.append(torch.full((33,), torch.finfo(dtype).max, dtype=dtype, device=device))
+        theirs = [g.clone() for g in ours]
+        inv = random_inv_scale(rng) if trial != 1 else 2.0
+        found_ours = scalar(1.0 if trial == 2 else 0.0, device)  # trial 2: found_inf already set
+        found_theirs = found_ours.clone()
+        mixprec.non_finite_check_and_unscale_(ours, found_ours, scalar(inv, device))
+        torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_theirs, scalar(inv, device))
+        assert_bitwise_equal(found_ours.cpu(), found_theirs.cpu(), f"trial {trial}: found_inf")
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert_bitwise_equal(a.cpu(), b.cpu(), f"trial {trial}: grads[{i}]", nan_equal=True)
+
+
+# ---- non_finite_check_and_unscale_: bad inputs ------------------------------------------------------
+
+
+def _unscale_args(device, gen):
+    # A NaN in grads[0] and a non-unit inv_scale: any work done before the error would show.
+    grads = [random_tensor(5, torch.float32, device, gen), random_tensor(CHUNK + 3, torch.float16, device, gen),
+             random_tensor(7, torch.bfloat16, device, gen), random_tensor((4, 3), torch.float32, device, gen)]
+    grads[0][0] = math.nan
+    out = [poisoned_like(g, torch.float32) for g in grads]
+    return dict(grads=grads, found_inf=scalar(0.0, device), inv_scale=scalar(0.37, device), out=out,
+                per_tensor_found=torch.zeros(4, device=device))
+
+
+def _nc(shape, dtype, device):  # a non-contiguous tensor of `shape`
+    return torch.ones(tuple(reversed(shape)), dtype=dtype, device=device).t()
+
+
+def _set(key, i, make):
+    def f(a, device):
+        a[key] = list(a[key])
+        a[key][i] = make(a[key][i], device)
+    return f
+
+
+def _put(key, make):
+    def f(a, device):
+        a[key] = make(a, device)
+    return f
+
+
+# (mutation of the valid arguments, exception type, argument named, index named)
+UNSCALE_BAD = {
+    "out_shorter": (_put("out", lambda a, d: a["out"][:3]), ValueError, "out", None),
+    "out_longer": (_put("out", lambda a, d: a["out"] + [torch.ones(1, device=d)]), ValueError, "out", None),
+    "grads_float64": (_set("grads", 2, lambda t, d: t.double()), TypeError, "grads", 2),
+    "grads_int32": (_set("grads", 2, lambda t, d: torch.ones(7, dtype=torch.int32, device=d)), TypeError, "grads", 2),
+    "grads_non_contiguous": (_set("grads", 3, lambda t, d: _nc((4, 3), torch.float32, d)), RuntimeError, "grads", 3),
+    "out_float64": (_set("out", 1, lambda t, d: t.double()), TypeError, "out", 1),
+    "out_int64": (_set("out", 1, lambda t, d: t.long()), TypeError, "out", 1),
+    "out_wrong_shape": (_set("out", 2, lambda t, d: torch.ones(8, device=d)), ValueError, "out", 2),
+    "out_transposed_shape": (_set("out", 3, lambda t, d: torch.ones(3, 4, device=d)), ValueError, "out", 3),
+    "out_non_contiguous": (_set("out", 3, lambda t, d: _nc((4, 3), torch.float32, d)), RuntimeError, "out", 3),
+    "found_inf_two_elements": (_put("found_inf", lambda a, d: torch.zeros(2, device=d)), ValueError, "found_inf", None),
+    "found_inf_float64": (_put("found_inf", lambda a, d: scalar(0.0, d, torch.float64)), TypeError, "found_inf", None),
+    "found_inf_int32": (_put("found_inf", lambda a, d: scalar(0, d, torch.int32)), TypeError, "found_inf", None),
+    "inv_scale_half": (_put("inv_scale", lambda a, d: scalar(0.5, d, torch.float16)), TypeError, "inv_scale", None),
+    "inv_scale_empty": (_put("inv_scale", lambda a, d: torch.ones(0, device=d)), ValueError, "inv_scale", None),
+    "inv_scale_two_elements": (_put("inv_scale", lambda a, d: torch.ones(2, device=d)), ValueError, "inv_scale", None),
+    "per_tensor_found_short": (_put("per_tensor_found", lambda a, d: torch.zeros(3, device=d)), ValueError,
+                               "per_tensor_found", None),
+    "per_tensor_found_2d": (_put("per_tensor_found", lambda a, d: torch.zeros(4, 1, device=d)), ValueError,
+                            "per_tensor_found", None),
+    "per_tensor_found_int32": (_put("per_tensor_found", lambda a, d: torch.zeros(4, dtype=torch.int32, device=d)),
+                               TypeError, "per_tensor_found", None),
+    "per_tensor_found_strided": (_put("per_tensor_found", lambda a, d: torch.zeros(8, device=d)[::2]), ValueError,
+                                 "per_tensor_found", None),
+}
+UNSCALE_BAD_CUDA = {
+    "grads_on_cpu": (_set("grads", 2, lambda t, d: t.cpu()), RuntimeError, "grads", 2),
+    "out_on_cpu": (_set("out", 1, lambda t, d: t.cpu()), RuntimeError, "out", 1),
+    "inv_scale_on_cpu": (_put("inv_scale", lambda a, d: a["inv_scale"].cpu()), RuntimeError, "inv_scale", None),
+    "per_tensor_found_on_cpu": (_put("per_tensor_found", lambda a, d: a["per_tensor_found"].cpu()), RuntimeError,
+                                "per_tensor_found", None),
+}
+
+
+def _check_unscale_rejects(device, gen, case, mode):
+    mutate, exc, arg, index = case
+    a = _unscale_args(device, gen)
+    if mode == "check":
+        a["inv_scale"] = None
+    if mode != "out":
+        a["out"] = []
+    mutate(a, device)
+    every = a["grads"] + a["out"] + [a["found_inf"], a["inv_scale"], a["per_tensor_found"]]
+    check_rejected(lambda: mixprec.non_finite_check_and_unscale_(**a), every, exc, OP, arg, index, device)
+
+
+@pytest.mark.parametrize("case", sorted(UNSCALE_BAD))
+def test_unscale_rejects_bad_inputs_and_modifies_nothing(device, case, gen):
+    mode = "out" if case.startswith("out") else "in_place"
+    _check_unscale_rejects(device, gen, UNSCALE_BAD[case], mode)
+
+
+@pytest.mark.parametrize("case", ["grads_float64", "grads_int32", "grads_non_contiguous", "per_tensor_found_short"])
+def test_check_only_rejects_bad_inputs(device, case, gen):
+    _check_unscale_rejects(device, gen, UNSCALE_BAD[case], "check")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", sorted(UNSCALE_BAD_CUDA))
+def test_unscale_rejects_wrong_device(case, gen):
+    mode = "out" if case.startswith("out") else "in_place"
+    _check_unscale_rejects("cuda", gen, UNSCALE_BAD_CUDA[case], mode)
+
+
+def test_nonempty_out_with_empty_grads_is_rejected(device):
+    found = scalar(0.0, device)
+    out = [torch.ones(3, device=device)]
+    check_rejected(lambda: mixprec.non_finite_check_and_unscale_([], found, scalar(2.0, device), out),
+                   [found] + out, ValueError, OP, "out", None, device)
+
+
+# ---- update_scale_ -----------------------------------------------------------------------------------
+
+
+class RefScaler:
+    """The scale-update rule of csrc/kernels/loss_scale.h in float64 Python, stored as the op
+    stores it (float32 scale, int32 trackers), counting which branch of the rule fired."""
+
+    def __init__(self, scale, growth_factor, backoff_factor, growth_interval, hysteresis=1, min_scale=0.0,
+                 max_scale=0.0, tracked=False):
+        self.scale = f32(scale)
+        self.gf, self.bf, self.interval = growth_factor, backoff_factor, growth_interval
+        self.hysteresis, self.min_scale, self.max_scale, self.tracked = hysteresis, min_scale, max_scale, tracked
+        self.growth, self.left, self.skipped = 0, hysteresis, 0
+        self.growths = self.backoffs = self.tolerated = self.min_clamps = self.max_clamps = self.inf_blocked = 0
+
+    def step(self, found: float) -> None:
+        if found != 0.0 or math.isnan(found):
+            self.skipped += 1
+            self.growth = 0
+            left = (self.left - 1) if self.tracked else 0  # no tracker: hysteresis 1
+            if left > 0:
+                self.left = left
+                self.tolerated += 1
+                return
+            backed = self.scale * self.bf
+            if backed < self.min_scale:
+                self.min_clamps += 1
+            self.scale = f32(max(backed, self.min_scale))
+            self.left = self.hysteresis
+            self.backoffs += 1
+            return
+        self.growth += 1
+        if self.growth < self.interval:
+            return
+        grown = self.scale * self.gf
+        if self.max_scale > 0 and grown > self.max_scale:
+            grown = self.max_scale
+            self.max_clamps += 1
+        if math.isfinite(f32(grown)):
+            self.scale = f32(grown)
+            self.growths += 1
+        else:
+            self.inf_blocked += 1
+        self.growth = 0
+        self.left = self.hysteresis
+
+
+class DeviceScaler:
+    """The op's state tensors on ``device``, stepped like RefScaler."""
+
+    def __init__(self, ref: RefScaler, device, skipped_start: int = 0):
+        self.ref, self.device = ref, device
+        self.scale = scalar(ref.scale, device)
+        self.growth = torch.zeros(1, dtype=torch.int32, device=device)
+        self.left = torch.full((1,), ref.hysteresis, dtype=torch.int32, device=device) if ref.tracked else None
+        self.skipped = torch.full((1,), skipped_start, dtype=torch.int64, device=device)
+        self.skipped_start = skipped_start
+        self.found = scalar(0.0, device)
+
+    def step(self, found: float, what: str) -> None:
+        r = self.ref
+        self.found.fill_(found)
+        mixprec.update_scale_(self.scale, self.growth, self.found, r.gf, r.bf, r.interval, hysteresis=r.hysteresis,
+                              hysteresis_tracker=self.left, skipped_steps=self.skipped, min_scale=r.min_scale,
+                              max_scale=r.max_scale)
+        r.step(found)
+        state = (self.scale.item(), self.growth.item(), None if self.left is None else self.left.item(),
+                 self.skipped.item(), self.found.item())
+        want = (r.scale, r.growth, r.left if r.tracked else None, self.skipped_start + r.skipped, found)
+        assert state[:4] == want[:4], f"{what}: (scale, growth, hysteresis left, skipped) {state[:4]} != {want[:4]}"
+        assert state[4] == want[4] or (math.isnan(state[4]) and math.isnan(found)), f"{what}: found_inf was written"
+
+
+def overflow_pattern(rng, steps, interval, hysteresis, overflow_values=(1.0,)):
+    """found_inf values in bursts: clean runs up to twice the growth interval, overflow runs up
+    to one past the hysteresis, so every branch of the rule is reached."""
+    p = []
+    while len(p) < steps:
+        p += [0.0] * rng.randint(0, 2 * interval)
+        p += [rng.choice(overflow_values) for _ in range(rng.randint(1, hysteresis + 1))]
+    return p[:steps]
+
+
+def test_update_scale_equals_torch_amp_update_scale(device, rng):
+    # Factors exactly representable in float32 (so float and double arithmetic agree); any
+    # nonzero found_inf, NaN included, is an overflow for both.
+    for trial in range(3):
+        gf = 2.0 if trial == 0 else f32(rng.uniform(1.1, 4.0))
+        bf = 0.5 if trial == 0 else f32(rng.uniform(0.05, 0.95))
+        interval = rng.randint(1, 5)
+        init = 2.0**120 if trial == 2 else 65536.0  # trial 2 meets the never-grow-into-inf guard
+        ours, theirs = scalar(init, device), scalar(init, device)
+        ours_g = torch.zeros(1, dtype=torch.int32, device=device)
+        theirs_g = ours_g.clone()
+        found = scalar(0.0, device)
+        for s, v in enumerate(overflow_pattern(rng, 150, interval, 1, (1.0, 1.0, 2.0, math.nan, -1.0))):
+            found.fill_(v)
+            mixprec.update_scale_(ours, ours_g, found, gf, bf, interval)
+            torch._amp_update_scale_(theirs, theirs_g, found, gf, bf, interval)
+            assert_bitwise_equal(ours.cpu(), theirs.cpu(), f"trial {trial} step {s}: scale")
+            assert_bitwise_equal(ours_g.cpu(), theirs_g.cpu(), f"trial {trial} step {s}: growth_tracker")
+
+
+def test_update_scale_equals_torch_for_factors_not_representable_in_float32(device, rng):
+    # GradScaler(backoff_factor=0.3) passes a Python float; torch's result must be reproduced.
+    gf, bf = 1.7, 0.3
+    ours, theirs = scalar(3.0, device), scalar(3.0, device)
+    ours_g = torch.zeros(1, dtype=torch.int32, device=device)
+    theirs_g = ours_g.clone()
+    found = scalar(0.0, device)
+    for s, v in enumerate(overflow_pattern(rng, 100, 2, 1) + [1.0]):
+        found.fill_(v)
+        mixprec.update_scale_(ours, ours_g, found, gf, bf, 2)
+        torch._amp_update_scale_(theirs, theirs_g, found, gf, bf, 2)
+        assert_bitwise_equal(ours.cpu(), theirs.cpu(), f"step {s}: scale")
+
+
+SCALE_CONFIGS = {
+    # name: (growth_factor, backoff_factor, interval, hysteresis, min_scale, max_scale, init, tracked)
+    "plain": (2.0, 0.5, 3, 1, 0.0, 0.0, 65536.0, False),
+    "hysteresis_3": ("g", "b", 4, 3, 0.0, 0.0, 1024.0, True),
+    "hysteresis_1_tracked": (2.0, 0.5, 2, 1, 0.0, 0.0, 1024.0, True),
+    "min_scale": (2.0, 0.5, 2, 2, 1.0, 0.0, 8.0, True),
+    "max_scale": ("g", "b", 1, 1, 0.0, 70000.5, 1000.0, False),
+    "both_bounds": ("g", "b", 2, 2, 0.75, 3000.0, 1000.0, True),
+    "near_inf": (4.0, "b", 1, 2, 0.0, 0.0, 2.0**124, True),
+}
+
+
+@pytest.mark.parametrize("config", sorted(SCALE_CONFIGS))
+def test_update_scale_follows_the_rule(device, config, rng):
+    gf, bf, interval, hyst, lo, hi, init, tracked = SCALE_CONFIGS[config]
+    gf = f32(rng.uniform(1.1, 3.0)) if gf == "g" else gf
+    bf = f32(rng.uniform(0.1, 0.9)) if bf == "b" else bf
+    ref = RefScaler(init, gf, bf, interval, hyst, lo, hi, tracked)
+    dev = DeviceScaler(ref, device)
+    n = 0
+    for v in overflow_pattern(rng, 120, interval, hyst):
+        dev.step(v, f"{config} step {n}")
+        n += 1
+
+    def drive(found, done):  # keep stepping until the branch this config exists for has fired
+        nonlocal n
+        for _ in range(4000):
+            if done():
+                return
+            dev.step(found, f"{config} step {n}")
+            n += 1
+
+    drive(1.0, lambda: ref.backoffs > 0)
+    if hyst > 1:
+        drive(1.0, lambda: ref.tolerated > 0)
+    if lo > 0:
+        drive(1.0, lambda: ref.min_clamps > 0)
+    if hi > 0:
+        drive(0.0, lambda: ref.max_clamps > 0)
+    if config == "near_inf":
+        drive(0.0, lambda: ref.inf_blocked > 0)
+    drive(0.0, lambda: ref.growths + ref.inf_blocked > 0)
+    assert ref.backoffs > 0 and ref.growths + ref.inf_blocked > 0
+    assert hyst == 1 or ref.tolerated > 0
+    assert lo == 0 or ref.min_clamps > 0
+    assert hi == 0 or ref.max_clamps > 0
+    assert config != "near_inf" or ref.inf_blocked > 0
+
+
+def test_update_scale_never_grows_into_inf(device):
+    scale = scalar(torch.finfo(torch.float32).max, device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    mixprec.update_scale_(scale, growth, scalar(0.0, device), 2.0, 0.5, 1)
+    assert scale.item() == torch.finfo(torch.float32).max and growth.item() == 0
+
+
+@pytest.mark.parametrize("tracked", [False, True])
+def test_skipped_steps_counts_every_overflow(device, tracked, rng):
+    # Starts past 2^32 so that a 32-bit counter or an overwrite (instead of += 1) shows.
+    ref = RefScaler(1024.0, 2.0, 0.5, 3, 2 if tracked else 1, tracked=tracked)
+    dev = DeviceScaler(ref, device, skipped_start=2**33 + 5)
+    pattern = overflow_pattern(rng, 60, 3, 2)
+    for s, v in enumerate(pattern):
+        dev.step(v, f"step {s}")
+    assert dev.skipped.item() == 2**33 + 5 + sum(v != 0 for v in pattern)
+
+
+# ---- update_scale_: bad arguments -------------------------------------------------------------------
+
+
+def _scale_args(device):
+    # found_inf = 1 and trackers mid-way: a call that ran would change every state tensor.
+    return dict(scale=scalar(1024.0, device), growth_tracker=torch.full((1,), 3, dtype=torch.int32, device=device),
+                found_inf=scalar(1.0, device), growth_factor=2.0, backoff_factor=0.5, growth_interval=10,
+                hysteresis=2, hysteresis_tracker=torch.ones(1, dtype=torch.int32, device=device),
+                skipped_steps=torch.full((1,), 7, dtype=torch.int64, device=device), min_scale=0.0, max_scale=0.0)
+
+
+def _tensor(dtype, n=1):
+    return lambda a, d: torch.ones(n, dtype=dtype, device=d)
+
+
+SCALE_BAD = {
+    "scale_float64": ("scale", _tensor(torch.float64), TypeError),
+    "scale_float16": ("scale", _tensor(torch.float16), TypeError),
+    "scale_two_elements": ("scale", _tensor(torch.float32, 2), ValueError),
+    "growth_tracker_float32": ("growth_tracker", _tensor(torch.float32), TypeError),
+    "growth_tracker_int64": ("growth_tracker", _tensor(torch.int64), TypeError),
+    "growth_tracker_empty": ("growth_tracker", _tensor(torch.int32, 0), ValueError),
+    "hysteresis_tracker_float32": ("hysteresis_tracker", _tensor(torch.float32), TypeError),
+    "hysteresis_tracker_int64": ("hysteresis_tracker", _tensor(torch.int64), TypeError),
+    "skipped_steps_int32": ("skipped_steps", _tensor(torch.int32), TypeError),
+    "skipped_steps_two_elements": ("skipped_steps", _tensor(torch.int64, 2), ValueError),
+    "found_inf_float16": ("found_inf", _tensor(torch.float16), TypeError),
+    "found_inf_bool": ("found_inf", _tensor(torch.bool), TypeError),
+    "found_inf_two_elements": ("found_inf", _tensor(torch.float32, 2), ValueError),
+    "growth_factor_zero": ("growth_factor", 0.0, ValueError),
+    "growth_factor_negative": ("growth_factor", -2.0, ValueError),
+    "growth_factor_nan": ("growth_factor", math.nan, ValueError),
+    "backoff_factor_zero": ("backoff_factor", 0.0, ValueError),
+    "backoff_factor_nan": ("backoff_factor", math.nan, ValueError),
+    "growth_interval_zero": ("growth_interval", 0, ValueError),
+    "growth_interval_negative": ("growth_interval", -3, ValueError),
+    "growth_interval_over_int32": ("growth_interval", 2**31, ValueError),
+    "hysteresis_zero": ("hysteresis", 0, ValueError),
+    "hysteresis_over_int32": ("hysteresis", 2**31, ValueError),
+    "hysteresis_without_tracker": ("hysteresis_tracker", None, ValueError),
+    "min_scale_negative": ("min_scale", -1.0, ValueError),
+    "min_scale_nan": ("min_scale", math.nan, ValueError),
+    "max_scale_below_min_scale": ("max_scale", 0.5, ValueError),  # with min_scale = 1 below
+    "max_scale_negative": ("max_scale", -4.0, ValueError),
+    "max_scale_nan": ("max_scale", math.nan, ValueError),
+}
+SCALE_BAD["min_scale_inf"] = ("min_scale", math.inf, ValueError)
+SCALE_BAD_CUDA = {
+    "growth_tracker_on_cpu": "growth_tracker",
+    "hysteresis_tracker_on_cpu": "hysteresis_tracker",
+    "skipped_steps_on_cpu": "skipped_steps",
+    "found_inf_on_cpu": "found_inf",
+}
+
+
+def _check_scale_rejects(device, arg, value, exc):
+    a = _scale_args(device)
+    if arg == "max_scale":
+        a["min_scale"] = 1.0
+    a[arg] = value(a, device) if callable(value) else value
+    every = [a[k] for k in ("scale", "growth_tracker", "found_inf", "hysteresis_tracker", "skipped_steps")]
+    check_rejected(lambda: mixprec.update_scale_(**a), every, exc, "update_scale_", arg, None, device)
+
+
+@pytest.mark.parametrize(
+    "case", sorted(SCALE_BAD)
+)
+def test_update_scale_rejects_bad_arguments_and_modifies_nothing(device, case):
+    arg, value, exc = SCALE_BAD[case]
+    _check_scale_rejects(device, arg, value, exc)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", sorted(SCALE_BAD_CUDA))
+def test_update_scale_rejects_wrong_device(case):
+    arg = SCALE_BAD_CUDA[case]
+    _check_scale_rejects("cuda", arg, lambda a, d: a[arg].cpu(), RuntimeError)
+
+
+# ---- dispatcher, torch.compile and CUDA graphs ---------------------------------------------------------
+
+
+def test_opcheck_non_finite_check_and_unscale(device, gen):
+    # opcheck runs the op several times (real, fake, functionalized) and compares the mutations.
+    op = torch.ops.mixprec.non_finite_check_and_unscale_.default
+    for mode in ("in_place", "out", "check", "scale_only"):
+        grads = random_tensors([CHUNK + 3, 10, 1], FLOAT_DTYPES, device, gen, GRAD_SCALE)
+        inject_non_finite(grads[1], "random", math.inf, gen)
+        found = None if mode == "scale_only" else scalar(0.0, device)
+        inv = None if mode == "check" else scalar(0.5, device)
+        out = [torch.empty_like(g, dtype=torch.float32) for g in grads] if mode == "out" else []
+        per = torch.zeros(3, device=device) if mode in ("in_place", "check") else None
+        torch.library.opcheck(op, (grads, found, inv, out, per))
+
+
+def test_opcheck_update_scale(device):
+    op = torch.ops.mixprec.update_scale_.default
+    for found, tracked in ((1.0, True), (0.0, False), (1.0, False)):
+        args = (scalar(1024.0, device), torch.full((1,), 2, dtype=torch.int32, device=device),
+                torch.full((1,), 2, dtype=torch.int32, device=device) if tracked else None,
+                torch.zeros(1, dtype=torch.int64, device=device) if tracked else None,
+                scalar(found, device), 2.0, 0.5, 3, 2 if tracked else 1, 1.0, 2.0**20)
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.cuda
+def test_cuda_ops_never_sync_and_capture_in_a_cuda_graph(gen):
+    device = "cuda"
+    grads = random_tensors([CHUNK + 3, 100, 5], FLOAT_DTYPES, device, gen, GRAD_SCALE)
+    master = [poisoned_like(g, torch.float32) for g in grads]
+    found, inv = scalar(0.0, device), scalar(1.0 / 1024, device)
+    scale = scalar(1024.0, device)
+    growth = torch.zeros(1, dtype=torch.int32, device=device)
+    left = torch.full((1,), 2, dtype=torch.int32, device=device)
+    skipped = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def step():
+        found.zero_()
+        mixprec.non_finite_check_and_unscale_(grads, found, inv, master)
+        mixprec.update_scale_(scale, growth, found, 2.0, 0.5, 3, hysteresis=2, hysteresis_tracker=left,
+                              skipped_steps=skipped)
+
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronization inside the ops raises
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as graph capture wants
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def replay(expect_found, expect_scale, expect_growth, expect_left, expect_skipped, what):
+        before = snapshot(grads)
+        for m in master:
+            m.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert found.item() == expect_found, what
+        assert (scale.item(), growth.item(), left.item(), skipped.item()) == (
+            expect_scale, expect_growth, expect_left, expect_skipped), what
+        for i, (m, b) in enumerate(zip(master, before)):
+            assert_unscaled(m, b, inv.item(), f"{what}: master[{i}]")
+
+    scale.fill_(1024.0)
+    growth.zero_()
+    left.fill_(2)
+    skipped.zero_()
+    replay(0.0, 1024.0, 1, 2, 0, "clean replay")
+    inv.fill_(1.0 / 512)  # the graph reads inv_scale from the device, not a captured constant
+    for g in grads:
+        g.copy_(random_tensor(g.shape, g.dtype, device, gen, GRAD_SCALE))
+    replay(0.0, 1024.0, 2, 2, 0, "new data and inv_scale")
+    grads[1][7] = math.inf
+    replay(1.0, 1024.0, 0, 1, 1, "overflow tolerated by hysteresis")
+    replay(1.0, 512.0, 0, 2, 2, "overflow backs off")
