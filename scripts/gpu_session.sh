@@ -22,7 +22,7 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, print the tail, keep going on 
   return $rc
 }
 
-{ nvidia-smi -L; $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee "$OUT/env.log"
+{ nvidia-smi -L; $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1
 
 if [[ $steps == *build* ]]; then
   export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
@@ -36,13 +36,14 @@ if [[ $steps == *cpp* ]]; then
     ctest --test-dir /tmp/mixprec-cpptests --output-on-failure"
 fi
 if [[ $steps == *tests* ]]; then
-  run tests $PY -m pytest tests/python -q -rs -x --timeout=900 -p no:cacheprovider ${PYTEST_ARGS:-}
+  run tests $PY -m pytest ${TEST_PATHS:-tests/python} -v -rs --timeout=900 -p no:cacheprovider ${PYTEST_ARGS:-}
 fi
 if [[ $steps == *bench* ]]; then
-  run bench_loss_scale $PY benchmarks/loss_scale_ops.py --out "$OUT/loss_scale_ops.json"
-  run bench_optimizer $PY benchmarks/optimizer_step.py --out "$OUT/optimizer_step.json"
+  # One log for both benchmarks: the device tool returns at most 8 files.
+  run bench bash -c "$PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops.json && \
+    $PY benchmarks/optimizer_step.py --out $OUT/optimizer_step.json ${BENCH_OPT_ARGS:-}"
 fi
 if [[ $steps == *sanitize* ]]; then
   run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
-    $PY -m pytest tests/python -q -x -m cuda -k "${SANITIZE_K:-loss_scale or norm or adam}" -p no:cacheprovider
+    $PY -m pytest ${TEST_PATHS:-tests/python} -q -x -m cuda -k "${SANITIZE_K:-loss_scale or norm or adam}" -p no:cacheprovider
 fi

@@ -10,14 +10,15 @@ namespace mixprec::kernels {
 // TP: model param storage, TG: grad storage, TS: moment storage (float or bf16).
 template <typename TP, typename TG, typename TS>
 struct AdamOp {
+  static constexpr bool kPersistent = false;  // see multi_tensor_kernel: a chunk loop would spill
   AdamParams p;
 
   __device__ void operator()(const TensorTable<kAdamLists>& table, const ChunkCtx& ctx) const {
     // A skipped step touches nothing: params, master, moments and the step count stay as they were.
     if (step_skipped(p.scalars)) return;
     const AdamCoefficients c = adam_coefficients(p);
-    // 16 bytes of the narrowest operand per vector; fewer vectors in flight when they are wide,
-    // which keeps registers (and so occupancy) in check.
+    // 16 bytes of the narrowest operand per vector; two vectors in flight per list when they are
+    // 16 bytes wide (fp32 everywhere), one when fp32 lists take two words each.
     constexpr int N = vec_elems<TP, TG, TS, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kAdamParam);

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/multi_tensor.h"
 
@@ -77,19 +78,46 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Packed {
-  T v[N];
-};
+// Raw storage bits of one element, and back: the vector paths below move uint4 words and
+// (un)pack them in registers, so wide loads and stores stay single 16-byte instructions for
+// every dtype (a struct of __half does not: its copies are split into 2-byte accesses).
+template <typename T> __device__ __forceinline__ uint32_t to_bits(float v);
+template <> __device__ __forceinline__ uint32_t to_bits<float>(float v) { return __float_as_uint(v); }
+template <> __device__ __forceinline__ uint32_t to_bits<__half>(float v) { return __half_as_ushort(__float2half_rn(v)); }
+template <> __device__ __forceinline__ uint32_t to_bits<__nv_bfloat16>(float v) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+template <typename T> __device__ __forceinline__ float from_bits(uint32_t b);
+template <> __device__ __forceinline__ float from_bits<float>(uint32_t b) { return __uint_as_float(b); }
+template <> __device__ __forceinline__ float from_bits<__half>(uint32_t b) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+}
+template <> __device__ __forceinline__ float from_bits<__nv_bfloat16>(uint32_t b) {
+  return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+}
 
-// Loads N elements starting at i into fp32 registers: one wide access when the whole vector is
+// Loads N elements starting at i into fp32 registers: 16-byte accesses when the whole vector is
 // inside the chunk and the tensor is aligned, element-wise (zero-filled past n) otherwise.
 template <typename T, int N>
 __device__ __forceinline__ void load(const T* p, int64_t i, int n, bool vec_ok, float (&r)[N]) {
+  static_assert((N * sizeof(T)) % 16 == 0, "a vector must be whole 16-byte words");
   if (vec_ok && i + N <= n) {
-    const Packed<T, N> pk = *reinterpret_cast<const Packed<T, N>*>(p + i);
+    constexpr int kPerWord = 4 / sizeof(T);  // elements per 32-bit word
+    const uint4* src = reinterpret_cast<const uint4*>(p + i);
 #pragma unroll
-    for (int j = 0; j < N; ++j) r[j] = to_float(pk.v[j]);
+    for (int k = 0; k < static_cast<int>(N * sizeof(T) / 16); ++k) {
+      const uint4 v = src[k];
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if constexpr (kPerWord == 1) {
+          r[k * 4 + q] = from_bits<T>(w[q]);
+        } else {
+          r[k * 8 + 2 * q] = from_bits<T>(w[q] & 0xffffu);
+          r[k * 8 + 2 * q + 1] = from_bits<T>(w[q] >> 16);
+        }
+      }
+    }
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) r[j] = (i + j < n) ? to_float(p[i + j]) : 0.f;
@@ -98,11 +126,21 @@ __device__ __forceinline__ void load(const T* p, int64_t i, int n, bool vec_ok, 
 
 template <typename T, int N>
 __device__ __forceinline__ void store(T* p, int64_t i, int n, bool vec_ok, const float (&r)[N]) {
+  static_assert((N * sizeof(T)) % 16 == 0, "a vector must be whole 16-byte words");
   if (vec_ok && i + N <= n) {
-    Packed<T, N> pk;
+    constexpr int kPerWord = 4 / sizeof(T);
+    uint4* dst = reinterpret_cast<uint4*>(p + i);
 #pragma unroll
-    for (int j = 0; j < N; ++j) pk.v[j] = from_float<T>(r[j]);
-    *reinterpret_cast<Packed<T, N>*>(p + i) = pk;
+    for (int k = 0; k < static_cast<int>(N * sizeof(T) / 16); ++k) {
+      uint32_t w[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        if constexpr (kPerWord == 1) w[q] = to_bits<T>(r[k * 4 + q]);
+        else w[q] = to_bits<T>(r[k * 8 + 2 * q]) | (to_bits<T>(r[k * 8 + 2 * q + 1]) << 16);
+      }
+      // An explicit 16-byte store: a plain uint4 assignment here came out as four 4-byte stores.
+      __stwb(dst + k, make_uint4(w[0], w[1], w[2], w[3]));
+    }
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j)
@@ -175,24 +213,52 @@ __device__ __forceinline__ float block_reduce_max(float v) {
 
 // At least two blocks per SM (<= 64 registers a thread): one 512-thread block alone leaves too
 // few loads in flight to saturate HBM.
+// An op is persistent unless it says otherwise (static constexpr bool kPersistent = false).
+template <typename Op, typename = void>
+struct IsPersistent : std::true_type {};
+template <typename Op>
+struct IsPersistent<Op, std::void_t<decltype(Op::kPersistent)>> : std::bool_constant<Op::kPersistent> {};
+
+// Persistent ops run on a grid of what the GPU holds resident at once, each block walking the
+// chunks block, block + grid, ... so no block pays start-up for one short chunk (a 64 Ki-element
+// fp16 chunk is only 128 KB) and neighbouring blocks stream neighbouring memory. Ops whose
+// per-chunk state is heavy (Adam: the loop's registers would spill) take one block per chunk.
 template <int NLists, typename Op>
 __global__ void __launch_bounds__(kBlockThreads, 2)
     multi_tensor_kernel(const __grid_constant__ TensorTable<NLists> table, const Op op) {
-  const int32_t block = static_cast<int32_t>(blockIdx.x);
-  int lo = 0, hi = table.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (table.block_start[mid] <= block) lo = mid; else hi = mid - 1;
+  constexpr bool kPersistent = IsPersistent<Op>::value;
+  const int32_t total = kPersistent ? table.block_start[table.count] : static_cast<int32_t>(blockIdx.x) + 1;
+  const int32_t step = kPersistent ? static_cast<int32_t>(gridDim.x) : 1;
+  for (int32_t block = static_cast<int32_t>(blockIdx.x); block < total; block += step) {
+    int lo = 0, hi = table.count - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (table.block_start[mid] <= block) lo = mid; else hi = mid - 1;
+    }
+    ChunkCtx c;
+    c.t = lo;
+    const int32_t chunk = block - table.block_start[lo];
+    c.begin = static_cast<int64_t>(chunk) * kChunkElems;
+    c.n = static_cast<int>(min(static_cast<int64_t>(kChunkElems), table.numel[lo] - c.begin));
+    c.vec_ok = table.aligned[lo] != 0;
+    c.arg_index = table.arg_index[lo];
+    c.global_chunk = table.first_chunk[lo] + chunk;
+    op(table, c);
   }
-  ChunkCtx c;
-  c.t = lo;
-  const int32_t chunk = block - table.block_start[lo];
-  c.begin = static_cast<int64_t>(chunk) * kChunkElems;
-  c.n = static_cast<int>(min(static_cast<int64_t>(kChunkElems), table.numel[lo] - c.begin));
-  c.vec_ok = table.aligned[lo] != 0;
-  c.arg_index = table.arg_index[lo];
-  c.global_chunk = table.first_chunk[lo] + chunk;
-  op(table, c);
+}
+
+// Blocks of `kernel` the current device holds resident at once (SMs x occupancy), cached.
+template <typename Kernel>
+int resident_blocks(Kernel kernel) {
+  static int per_sm = 0;  // one value per kernel instantiation; the same on every GPU model
+  if (per_sm == 0) MIXPREC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
+  int device = 0;
+  MIXPREC_CUDA_CHECK(cudaGetDevice(&device));
+  static int sm_count[256] = {};
+  if (device < 0 || device >= 256) throw std::runtime_error("mixprec: CUDA device index out of range");
+  if (sm_count[device] == 0)
+    MIXPREC_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count[device], cudaDevAttrMultiProcessorCount, device));
+  return std::max(1, per_sm) * sm_count[device];
 }
 
 // Packs group `g` into as few tables as fit and calls launch(table, blocks) for each, where tensor
@@ -236,7 +302,10 @@ void launch_multi_tensor(const TensorGroup& g, const Op& op, Stream stream) {
   for_each_table<NLists>(
       g, [&](int64_t i) { return num_chunks(g.numel[i]); },
       [&](const Table& table, unsigned blocks) {
-        multi_tensor_kernel<NLists, Op><<<blocks, kBlockThreads, 0, stream>>>(table, op);
+        const unsigned grid = IsPersistent<Op>::value
+                                  ? std::min<unsigned>(blocks, resident_blocks(multi_tensor_kernel<NLists, Op>))
+                                  : blocks;
+        multi_tensor_kernel<NLists, Op><<<grid, kBlockThreads, 0, stream>>>(table, op);
         MIXPREC_CUDA_CHECK(cudaGetLastError());
       });
 }
