@@ -34,12 +34,12 @@ struct AdamOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        load<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
-        load<TS, N>(exp_avg, i, n, vec, m[u]);
-        load<TS, N>(exp_avg_sq, i, n, vec, v[u]);
-        if (p.amsgrad) load<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
+        load_packed<TG, N>(grad, i, n, vec, g[u]);
+        if (p.has_master) load_packed<float, N>(master, i, n, vec, w[u]);
+        else load_packed<TP, N>(param, i, n, vec, w[u]);
+        load_packed<TS, N>(exp_avg, i, n, vec, m[u]);
+        load_packed<TS, N>(exp_avg_sq, i, n, vec, v[u]);
+        if (p.amsgrad) load_packed<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
       }
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
@@ -48,11 +48,11 @@ struct AdamOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
-        store<TS, N>(exp_avg, i, n, vec, m[u]);
-        store<TS, N>(exp_avg_sq, i, n, vec, v[u]);
-        if (p.amsgrad) store<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
+        store_packed<TP, N>(param, i, n, vec, w[u]);
+        if (p.has_master) store_packed<float, N>(master, i, n, vec, w[u]);
+        store_packed<TS, N>(exp_avg, i, n, vec, m[u]);
+        store_packed<TS, N>(exp_avg_sq, i, n, vec, v[u]);
+        if (p.amsgrad) store_packed<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
       }
     });
   }

@@ -15,14 +15,14 @@ kernels::StepScalars step_scalars(const char* op, const at::Device& device, cons
     s.step_tensor = step_tensor->data_ptr<float>();
   } else {
     TORCH_CHECK_VALUE(!needs_step || step >= 1, arg_name(op, "step"),
-                      " must be >= 1 (the count including this step) when no step_tensor is given, got ", step);
+                      " must be >= 1 (the count including this step) when no step_tensor is given, got ", num(step));
     s.step = static_cast<float>(step);
   }
   if (lr_tensor) {
     check_scalar_tensor(op, "lr_tensor", *lr_tensor, device);
     s.lr_tensor = lr_tensor->data_ptr<float>();
   } else {
-    TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0, arg_name(op, "lr"), " must be finite and >= 0, got ", lr);
+    TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0, arg_name(op, "lr"), " must be finite and >= 0, got ", num(lr));
     s.lr = static_cast<float>(lr);
   }
   if (grad_scale) {
@@ -38,7 +38,7 @@ kernels::StepScalars step_scalars(const char* op, const at::Device& device, cons
 
 void check_range(const char* op, const char* name, double v, double lo, double hi, bool hi_open) {
   const bool ok = v >= lo && (hi_open ? v < hi : v <= hi);
-  TORCH_CHECK_VALUE(ok, arg_name(op, name), " must be in [", lo, ", ", hi, hi_open ? ")" : "]", ", got ", v);
+  TORCH_CHECK_VALUE(ok, arg_name(op, name), " must be in [", num(lo), ", ", num(hi), hi_open ? ")" : "]", ", got ", num(v));
 }
 
 void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, const NamedList* like) {

@@ -1,9 +1,24 @@
 // Validation and packing of tensor-list arguments into kernel-tier groups (see tensor_lists.h).
 #include "ops/tensor_lists.h"
 
+#include <cstdio>
 #include <map>
 
 namespace mixprec::detail {
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.17g", v);
+  return buf;
+}
+
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string shape(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
 
 std::string arg_name(const char* op, const char* arg, int64_t index) {
   std::string s = std::string("mixprec::") + op + ": " + arg;
@@ -26,9 +41,9 @@ void check_scalar_tensor(const char* op, const char* arg, const at::Tensor& t, c
                          at::ScalarType dtype) {
   const std::string what = arg_name(op, arg);
   TORCH_CHECK(t.defined(), what, " is undefined");
-  TORCH_CHECK(t.device() == device, what, " is on ", t.device(), " but the op runs on ", device);
+  TORCH_CHECK(t.device() == device, what, " is on ", t.device().str(), " but the op runs on ", device.str());
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, what, " has dtype ", t.scalar_type(), "; expected ", dtype);
-  TORCH_CHECK_VALUE(t.numel() == 1, what, " must hold exactly one element, got ", t.numel());
+  TORCH_CHECK_VALUE(t.numel() == 1, what, " must hold exactly one element, got ", num(t.numel()));
 }
 
 at::Device op_device(const char* op, const NamedList& list, const c10::optional<at::Tensor>& anchor) {
@@ -42,8 +57,8 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
   TORCH_INTERNAL_ASSERT(!lists.empty() && lists.size() <= static_cast<size_t>(kernels::kMaxLists));
   const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
   for (const NamedList& l : lists)
-    TORCH_CHECK_VALUE(static_cast<int64_t>(l.tensors.size()) == n, arg_name(op, l.name), " has ", l.tensors.size(),
-                      " tensors but ", arg_name(op, lists[0].name), " has ", n);
+    TORCH_CHECK_VALUE(static_cast<int64_t>(l.tensors.size()) == n, arg_name(op, l.name), " has ", num(l.tensors.size()),
+                      " tensors but ", arg_name(op, lists[0].name), " has ", num(n));
 
   // Validate everything before packing anything.
   std::vector<std::vector<kernels::DType>> dtypes(lists.size(), std::vector<kernels::DType>(n));
@@ -52,12 +67,12 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
       const at::Tensor& t = lists[k].tensors[i];
       const std::string what = arg_name(op, lists[k].name, i);
       TORCH_CHECK(t.defined(), what, " is undefined");
-      TORCH_CHECK(t.device() == device, what, " is on ", t.device(), " but the op runs on ", device);
+      TORCH_CHECK(t.device() == device, what, " is on ", t.device().str(), " but the op runs on ", device.str());
       dtypes[k][i] = kernel_dtype(t, what);
       TORCH_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's multi-tensor ops need contiguous tensors");
       if (k > 0)
-        TORCH_CHECK_VALUE(t.sizes().equals(lists[0].tensors[i].sizes()), what, " has shape ", t.sizes(), " but ",
-                          arg_name(op, lists[0].name, i), " has shape ", lists[0].tensors[i].sizes());
+        TORCH_CHECK_VALUE(t.sizes().equals(lists[0].tensors[i].sizes()), what, " has shape ", shape(t.sizes()), " but ",
+                          arg_name(op, lists[0].name, i), " has shape ", shape(lists[0].tensors[i].sizes()));
     }
   }
 

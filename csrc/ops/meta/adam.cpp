@@ -12,8 +12,8 @@ void adam_meta(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                bool, bool, bool, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                const std::optional<at::Tensor>&) {
   for (const NamedList& l : {NamedList{"grads", grads}, NamedList{"exp_avgs", exp_avgs}, NamedList{"exp_avg_sqs", exp_avg_sqs}})
-    TORCH_CHECK_VALUE(l.tensors.size() == params.size(), arg_name("adam_", l.name), " has ", l.tensors.size(),
-                      " tensors but params has ", params.size());
+    TORCH_CHECK_VALUE(l.tensors.size() == params.size(), arg_name("adam_", l.name), " has ", num(l.tensors.size()),
+                      " tensors but params has ", num(params.size()));
 }
 
 }  // namespace

@@ -12,7 +12,7 @@ void non_finite_check_and_unscale_meta(at::TensorList grads, const std::optional
                                        const std::optional<at::Tensor>&, at::TensorList out,
                                        const std::optional<at::Tensor>&) {
   TORCH_CHECK_VALUE(out.empty() || out.size() == grads.size(), arg_name("non_finite_check_and_unscale_", "out"),
-                    " has ", out.size(), " tensors but grads has ", grads.size());
+                    " has ", num(out.size()), " tensors but grads has ", num(grads.size()));
 }
 
 void update_scale_meta(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
