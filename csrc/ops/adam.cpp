@@ -3,6 +3,8 @@
 
 #include <c10/core/DeviceGuard.h>
 
+#include <cmath>
+
 #include "ops/optim_common.h"
 
 namespace mixprec::detail {
@@ -50,6 +52,10 @@ void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
     p.scalars = scalars;
     p.beta1 = static_cast<float>(beta1);
     p.beta2 = static_cast<float>(beta2);
+    p.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+    p.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+    p.log_beta1 = static_cast<float>(std::log(beta1));  // -inf for beta1 = 0: bias correction 1
+    p.log_beta2 = static_cast<float>(std::log(beta2));
     p.eps = static_cast<float>(eps);
     p.weight_decay = static_cast<float>(weight_decay);
     p.adam_w_mode = adam_w_mode;

@@ -112,6 +112,11 @@ def adam_(
     it the host ``step`` (counting this step) is used. amsgrad is on when ``max_exp_avg_sqs`` is
     given. Moments are float32, or bfloat16 to save memory.
     """
+    if not params and all(t is None for t in (step_tensor, lr_tensor, grad_scale, found_inf)):
+        # No tensor for the dispatcher to pick a backend from, and nothing to update.
+        if grads or exp_avgs or exp_avg_sqs or max_exp_avg_sqs or master_params:
+            raise ValueError("mixprec::adam_: params is empty but other lists are not")
+        return
     _ops.adam_(
         list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
         step_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,

@@ -9,8 +9,11 @@
 namespace mixprec::kernels {
 namespace {
 
-MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& c, int64_t t, int64_t begin,
-                                   int64_t n) {
+MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& coefficients, int64_t t,
+                                   int64_t begin, int64_t n) {
+  // A local copy: through the reference every store into the tiles might change a coefficient,
+  // and the compiler would keep the update loop scalar.
+  const AdamCoefficients c = coefficients;
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile], v[cpu::kTile], vm[cpu::kTile];
   const int weight_list = p.has_master ? kAdamMaster : kAdamParam;
@@ -25,7 +28,10 @@ MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& 
       for (int64_t i = 0; i < len; ++i) adam_update(c, grad[i], w[i], m[i], v[i], vm[i]);
       cpu::store_tile(g.dtypes[kAdamMaxExpAvgSq], vm, g.ptrs[kAdamMaxExpAvgSq][t], at, len);
     } else {
-      for (int64_t i = 0; i < len; ++i) adam_update(c, grad[i], w[i], m[i], v[i], vm[0]);
+      for (int64_t i = 0; i < len; ++i) {
+        float unused_max;  // a per-iteration dummy: a shared one would be a loop-carried store
+        adam_update(c, grad[i], w[i], m[i], v[i], unused_max);
+      }
     }
     cpu::store_tile(g.dtypes[kAdamParam], w, g.ptrs[kAdamParam][t], at, len);
     if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kAdamMaster][t], at, len);

@@ -1,6 +1,10 @@
 """mixprec's fused optimizers, with Apex's class names, constructor arguments and defaults."""
 
 from ._base import FusedOptimizer
+from .fused_adagrad import FusedAdagrad
 from .fused_adam import FusedAdam
+from .fused_lamb import FusedLAMB
+from .fused_novograd import FusedNovoGrad
+from .fused_sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedOptimizer"]
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedNovoGrad", "FusedOptimizer", "FusedSGD"]

@@ -41,6 +41,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _state_keys: tuple[str, ...] = ()
     _scalar_state_keys: tuple[str, ...] = ()
+    # Group options that checkpoints of the classes a subclass can load (torch.optim's, Apex's)
+    # do not have; the subclass fills them in after loading. Any other missing option is an error.
+    _keys_foreign_checkpoints_lack: tuple[str, ...] = ()
 
     def __init__(self, params: Iterable[Any], defaults: dict, *, master_weights: bool = False,
                  set_grad_none: bool = True, capturable: bool = False):
@@ -52,6 +55,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.capturable = bool(capturable)
 
     # -- torch.optim surface ----------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        # Checked before torch appends it, so a bad group is never added.
+        full = dict(self.defaults, **{k: v for k, v in param_group.items() if k != "params"})
+        self._check_group(full, f"param group {len(self.param_groups)}")
+        super().add_param_group(param_group)
+
+    def _check_group(self, group: dict, where: str) -> None:
+        """Raises ValueError for invalid hyper-parameters of `group` (subclasses)."""
+
+    def _check_state_tensor(self, key: str, value: torch.Tensor, where: str) -> None:
+        """Raises ValueError for a state tensor of the wrong dtype (subclasses)."""
+
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
@@ -70,6 +85,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        for index, group in enumerate(self.param_groups):  # all groups before any steps
+            self._check_group(group, f"param group {index}")
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -136,18 +153,25 @@ class FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state_dict made by ``state_dict()``, validating all of it before changing anything."""
         name = type(self).__name__
-        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-            raise ValueError(f"{name}.load_state_dict: expected a dict with 'state' and 'param_groups'")
+        if (not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict)
+                or "param_groups" not in state_dict):
+            raise ValueError(f"{name}.load_state_dict: expected a dict with 'state' (a dict) and 'param_groups'")
         saved_groups = state_dict["param_groups"]
         if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
             raise ValueError(f"{name}.load_state_dict: the checkpoint has {len(saved_groups)} param groups, "
                              f"this optimizer has {len(self.param_groups)}")
         id_to_param: dict[Any, torch.Tensor] = {}
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if not isinstance(saved, dict) or "params" not in saved or len(saved["params"]) != len(group["params"]):
-                got = len(saved["params"]) if isinstance(saved, dict) and "params" in saved else "no"
+            ok = isinstance(saved, dict) and isinstance(saved.get("params"), (list, tuple))
+            if not ok or len(saved["params"]) != len(group["params"]):
+                got = len(saved["params"]) if ok else "no"
                 raise ValueError(f"{name}.load_state_dict: param group {gi} has {got} params in the checkpoint "
                                  f"but {len(group['params'])} here")
+            missing = sorted(set(self.defaults) - set(saved) - set(self._keys_foreign_checkpoints_lack))
+            if missing:
+                raise ValueError(f"{name}.load_state_dict: param group {gi} lacks {missing}; "
+                                 f"not a {name} checkpoint?")
+            self._check_group(dict(self.defaults, **saved), f"{name}.load_state_dict: param group {gi}")
             id_to_param.update(zip(saved["params"], group["params"]))
 
         new_state: dict[torch.Tensor, dict] = defaultdict(dict)
@@ -172,7 +196,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 else:
                     raise ValueError(f"{name}.load_state_dict: param group {gi} 'step' is {type(step).__name__}")
                 device = group["params"][0].device if group["params"] else torch.device("cpu")
-                new_group["step"] = step.to(device)
+                new_group["step"] = step.to(device, copy=True)  # never shared with the source
             new_groups.append(new_group)
 
         self.state = new_state
@@ -192,6 +216,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{where} has shape {tuple(value.shape)} but the parameter has {tuple(p.shape)}")
                 if key == "master_param" and value.dtype != torch.float32:
                     raise ValueError(f"{where} must be float32, got {value.dtype}")
+                if key != "master_param":
+                    self._check_state_tensor(key, value, where)
                 # Keep the saved dtype (fp32 moments and masters stay fp32 under fp16 params).
                 out[key] = value.detach().to(device=p.device, memory_format=torch.contiguous_format).clone()
             elif key in self._scalar_state_keys:

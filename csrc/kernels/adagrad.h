@@ -1,0 +1,61 @@
+// Torch-free entry points of the fused Adagrad step for CPU and CUDA: unscale, skip, weight decay
+// (L2 as torch.optim.Adagrad, or decoupled as Apex's adagrad_w_mode), lr_decay and the squared-
+// gradient sum in one pass, writing the fp32 master and the rounded model copy together.
+#pragma once
+
+#include <math.h>
+
+#include "kernels/optim_common.h"
+
+namespace mixprec::kernels {
+
+// Lists of the group, always four (an absent master list repeats params and is never touched).
+enum AdagradList : int { kAdagradParam = 0, kAdagradGrad, kAdagradStateSum, kAdagradMaster, kAdagradLists };
+
+struct AdagradParams {
+  const TensorGroup* group = nullptr;
+  StepScalars scalars;
+  float eps = 1e-10f;
+  float weight_decay = 0.f;
+  float lr_decay = 0.f;
+  bool adagrad_w_mode = false;  // decoupled weight decay; false: L2 added to the gradient
+  bool maximize = false;
+  bool has_master = false;      // list kAdagradMaster (fp32) is the weight; kAdagradParam gets its rounding
+};
+
+void adagrad_cpu(const AdagradParams& p, int64_t chunk_begin, int64_t chunk_end);
+void adagrad_cuda(const AdagradParams& p, Stream stream);
+
+struct AdagradCoefficients {
+  float clr, eps, weight_decay, inv_scale;
+  bool adagrad_w_mode, maximize;
+};
+
+MIXPREC_HOST_DEVICE inline AdagradCoefficients adagrad_coefficients(const AdagradParams& p) {
+  AdagradCoefficients c;
+  const float lr = step_lr(p.scalars);
+  // torch.optim.Adagrad: lr / (1 + (step - 1) * lr_decay); the step only matters with a decay
+  // (the ops tier demands one then).
+  c.clr = p.lr_decay != 0.f ? lr / (1.f + (step_count(p.scalars) - 1.f) * p.lr_decay) : lr;
+  c.eps = p.eps;
+  c.weight_decay = p.weight_decay;
+  c.inv_scale = grad_inv_scale(p.scalars);
+  c.adagrad_w_mode = p.adagrad_w_mode;
+  c.maximize = p.maximize;
+  return c;
+}
+
+// torch.optim.Adagrad's order of operations (sum += g*g; w -= clr * g / (sqrt(sum) + eps)), and
+// Apex's decoupled form w -= clr * (g / (sqrt(sum) + eps) + wd * w). `w` is the fp32 weight.
+MIXPREC_HOST_DEVICE inline void adagrad_update(const AdagradCoefficients& c, float g, float& w, float& sum) {
+  g *= c.inv_scale;
+  if (c.maximize) g = -g;
+  const bool decay = c.weight_decay != 0.f;
+  if (decay && !c.adagrad_w_mode) g += c.weight_decay * w;
+  sum += g * g;
+  float update = g / (sqrtf(sum) + c.eps);
+  if (decay && c.adagrad_w_mode) update += c.weight_decay * w;
+  w -= c.clr * update;
+}
+
+}  // namespace mixprec::kernels

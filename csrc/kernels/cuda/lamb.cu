@@ -1,0 +1,27 @@
+// Host launchers of the fused LAMB step on CUDA: dtype dispatch over kernels/lamb.cuh.
+#include "kernels/lamb.cuh"
+
+namespace mixprec::kernels {
+
+void lamb_moments_cuda(const LambParams& p, Stream stream) {
+  const TensorGroup& g = *p.group;
+  if (g.size() == 0) return;
+  dispatch_dtype(g.dtypes[kLambParam], [&](auto param_tag) {
+    using TP = decltype(param_tag);
+    dispatch_dtype(g.dtypes[kLambGrad], [&](auto grad_tag) {
+      using TG = decltype(grad_tag);
+      if (p.trust_ratio) launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, false>{p}, stream);
+      else launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, true>{p}, stream);
+    });
+  });
+}
+
+void lamb_apply_cuda(const LambParams& p, Stream stream) {
+  const TensorGroup& g = *p.group;
+  if (g.size() == 0) return;
+  dispatch_dtype(g.dtypes[kLambParam], [&](auto param_tag) {
+    launch_multi_tensor<kLambLists>(g, LambApplyOp<decltype(param_tag)>{p}, stream);
+  });
+}
+
+}  // namespace mixprec::kernels

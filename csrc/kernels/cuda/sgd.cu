@@ -1,0 +1,18 @@
+// Host launcher of the fused SGD step on CUDA: dtype dispatch over kernels/sgd.cuh.
+#include "kernels/sgd.cuh"
+
+namespace mixprec::kernels {
+
+void sgd_cuda(const SgdParams& p, Stream stream) {
+  const TensorGroup& g = *p.group;
+  if (g.size() == 0) return;
+  dispatch_dtype(g.dtypes[kSgdParam], [&](auto param_tag) {
+    using TP = decltype(param_tag);
+    dispatch_dtype(g.dtypes[kSgdGrad], [&](auto grad_tag) {
+      using TG = decltype(grad_tag);
+      launch_multi_tensor<kSgdLists>(g, SgdOp<TP, TG>{p}, stream);
+    });
+  });
+}
+
+}  // namespace mixprec::kernels

@@ -1,0 +1,67 @@
+// Torch-free entry points of the fused SGD step for CPU and CUDA: unscale, skip, weight decay,
+// momentum with dampening and Nesterov (torch.optim.SGD's and Apex's variants) in one pass,
+// writing the fp32 master and the rounded model copy together when master weights are kept.
+#pragma once
+
+#include "kernels/optim_common.h"
+
+namespace mixprec::kernels {
+
+// Lists of the group, always four (absent ones repeat the params list and are never touched).
+enum SgdList : int { kSgdParam = 0, kSgdGrad, kSgdMomentum, kSgdMaster, kSgdLists };
+
+struct SgdParams {
+  const TensorGroup* group = nullptr;
+  StepScalars scalars;
+  float momentum = 0.f;           // 0: plain SGD, list kSgdMomentum is absent
+  float dampening = 0.f;
+  float weight_decay = 0.f;
+  bool nesterov = false;
+  bool wd_after_momentum = false;  // Apex: decay added to the momentum-filtered direction
+  bool maximize = false;
+  bool has_master = false;         // list kSgdMaster (fp32) is the weight; kSgdParam gets its rounding
+};
+
+void sgd_cpu(const SgdParams& p, int64_t chunk_begin, int64_t chunk_end);
+void sgd_cuda(const SgdParams& p, Stream stream);
+
+struct SgdCoefficients {
+  float lr, momentum, one_minus_dampening, weight_decay, inv_scale;
+  bool use_momentum;
+  bool first_step;  // torch.optim.SGD: the buffer is set to the gradient, not blended into
+  bool nesterov, wd_after_momentum, maximize;
+};
+
+MIXPREC_HOST_DEVICE inline SgdCoefficients sgd_coefficients(const SgdParams& p) {
+  SgdCoefficients c;
+  c.lr = step_lr(p.scalars);
+  c.momentum = p.momentum;
+  c.one_minus_dampening = 1.f - p.dampening;
+  c.weight_decay = p.weight_decay;
+  c.inv_scale = grad_inv_scale(p.scalars);
+  c.use_momentum = p.momentum != 0.f;
+  // The step count only matters with momentum (the ops tier demands one then); a skipped step
+  // does not advance it, so the step after a skipped first step is still the first.
+  c.first_step = c.use_momentum && step_count(p.scalars) == 1.f;
+  c.nesterov = p.nesterov;
+  c.wd_after_momentum = p.wd_after_momentum;
+  c.maximize = p.maximize;
+  return c;
+}
+
+// Same order of operations as torch.optim.SGD (and Apex's kernel for wd_after_momentum), so fp32
+// trajectories agree to rounding. `w` is the fp32 weight (master or param); `buf` is neither
+// read on the first step nor touched without momentum.
+MIXPREC_HOST_DEVICE inline void sgd_update(const SgdCoefficients& c, float g, float& w, float& buf) {
+  g *= c.inv_scale;
+  if (c.maximize) g = -g;
+  if (c.weight_decay != 0.f && !c.wd_after_momentum) g += c.weight_decay * w;
+  if (c.use_momentum) {
+    buf = c.first_step ? g : c.momentum * buf + c.one_minus_dampening * g;
+    g = c.nesterov ? g + c.momentum * buf : buf;
+  }
+  if (c.weight_decay != 0.f && c.wd_after_momentum) g += c.weight_decay * w;
+  w -= c.lr * g;
+}
+
+}  // namespace mixprec::kernels

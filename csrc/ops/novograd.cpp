@@ -1,0 +1,161 @@
+// Validation and packing for the fused NovoGrad op (see novograd.h): gradient norms through the
+// norm machinery, then the moment update and the element-wise pass, all on the op's device.
+#include "ops/novograd.h"
+
+#include <c10/core/DeviceGuard.h>
+
+#include <cmath>
+#include <vector>
+
+#include "ops/optim_common.h"
+
+namespace mixprec::detail {
+namespace {
+
+constexpr const char* kOp = "novograd_";
+
+kernels::NormType novograd_norm_type(double norm_type) {
+  if (norm_type == 2.0) return kernels::NormType::kL2;
+  if (std::isinf(norm_type) && norm_type > 0) return kernels::NormType::kInf;
+  TORCH_CHECK_VALUE(false, arg_name(kOp, "norm_type"), " must be 2 or inf, got ", norm_type,
+                    " (Apex's norm_type=0 for the infinity norm is translated by FusedNovoGrad)");
+  return kernels::NormType::kL2;  // unreachable
+}
+
+// The grads of every packed group, regrouped by grad dtype alone (one list), for the norm
+// partials; each tensor keeps its global first chunk, so partials land where the finalize reads.
+std::vector<kernels::TensorGroup> grad_groups(const PackedLists& packed) {
+  std::vector<kernels::TensorGroup> out;
+  int slot[3] = {-1, -1, -1};
+  for (const kernels::TensorGroup& g : packed.groups) {
+    const kernels::DType d = g.dtypes[kernels::kNovoGradGrad];
+    int& s = slot[static_cast<int>(d)];
+    if (s < 0) {
+      s = static_cast<int>(out.size());
+      kernels::TensorGroup ng;
+      ng.num_lists = 1;
+      ng.dtypes[0] = d;
+      out.push_back(std::move(ng));
+    }
+    for (int64_t i = 0; i < g.size(); ++i) {
+      void* ptr = g.ptrs[kernels::kNovoGradGrad][i];
+      out[s].add(g.index[i], g.numel[i], &ptr, g.first_chunk[i]);
+    }
+  }
+  return out;
+}
+
+void check_list_length(const char* name, int64_t got, int64_t n, const char* hint) {
+  TORCH_CHECK_VALUE(got == n, arg_name(kOp, name), " has ", got, " tensors but ", arg_name(kOp, "params"), " has ", n,
+                    hint);
+}
+
+}  // namespace
+
+void novograd_check_shapes(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                           const at::Tensor& exp_avg_sq_norms, at::TensorList master_params) {
+  // Plain calls rather than a loop over a braced list: built with GCC 13.3 against torch 2.11, a
+  // length error thrown from such a loop here crashed the process (cause not established).
+  const int64_t n = static_cast<int64_t>(params.size());
+  check_list_length("grads", static_cast<int64_t>(grads.size()), n, "");
+  check_list_length("exp_avgs", static_cast<int64_t>(exp_avgs.size()), n, "");
+  if (!master_params.empty())
+    check_list_length("master_params", static_cast<int64_t>(master_params.size()), n,
+                      " (pass an empty list for no master weights)");
+  const std::string what = arg_name(kOp, "exp_avg_sq_norms");
+  TORCH_CHECK(exp_avg_sq_norms.defined(), what, " is undefined");
+  // Symbolic sizes: the Meta impl sees torch.compile's fake tensors.
+  TORCH_CHECK_VALUE(exp_avg_sq_norms.dim() == 1 && exp_avg_sq_norms.sym_numel() == n, what,
+                    " must have shape [", n, "] (one second moment per tensor of params), got ",
+                    exp_avg_sq_norms.sym_sizes());
+}
+
+void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, const at::Tensor& exp_avg_sq_norms,
+                   at::TensorList master_params, const std::optional<at::Tensor>& step_tensor, double lr, double beta1,
+                   double beta2, double eps, double weight_decay, bool bias_correction, bool grad_averaging,
+                   bool reg_inside_moment, double norm_type, bool init_zero, int64_t step,
+                   const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf, NovoGradRunners run) {
+  // Everything is checked before anything runs, so a rejected call modifies nothing.
+  check_range(kOp, "beta1", beta1, 0.0, 1.0, /*hi_open=*/true);
+  check_range(kOp, "beta2", beta2, 0.0, 1.0, /*hi_open=*/true);
+  check_range(kOp, "eps", eps, 0.0, INFINITY, true);
+  check_range(kOp, "weight_decay", weight_decay, 0.0, INFINITY, true);
+  const kernels::NormType type = novograd_norm_type(norm_type);
+  novograd_check_shapes(params, grads, exp_avgs, exp_avg_sq_norms, master_params);
+  if (params.empty()) return;
+
+  const at::Device device = op_device(kOp, {"params", params}, std::nullopt);
+  // The step count is needed for bias correction and, without init_zero, to know the first step.
+  const kernels::StepScalars scalars = step_scalars(kOp, device, step_tensor, step, lr, lr_tensor, grad_scale,
+                                                    found_inf, /*needs_step=*/bias_correction || !init_zero);
+  const std::string norms_name = arg_name(kOp, "exp_avg_sq_norms");
+  TORCH_CHECK(exp_avg_sq_norms.device() == device, norms_name, " is on ", exp_avg_sq_norms.device(),
+              " but the op runs on ", device);
+  TORCH_CHECK_TYPE(exp_avg_sq_norms.scalar_type() == at::kFloat, norms_name, " has dtype ",
+                   exp_avg_sq_norms.scalar_type(), "; expected float32");
+  TORCH_CHECK(exp_avg_sq_norms.is_contiguous(), norms_name, " is not contiguous");
+
+  const NamedList param_list{"params", params}, avg_list{"exp_avgs", exp_avgs};
+  check_state_dtypes(kOp, avg_list, /*allow_bf16=*/false);
+  const bool has_master = present(master_params);
+  const NamedList master_list = has_master ? NamedList{"master_params", master_params} : param_list;
+  if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
+  // Without master weights, params stand in for the master list: the kernels never touch it.
+  const PackedLists packed = pack_lists(kOp, {param_list, {"grads", grads}, avg_list, master_list}, device);
+
+  const c10::DeviceGuard guard(device);
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  // Per-tensor norms of the grads as stored (the moment update unscales them). Empty tensors get
+  // no kernel: their norm is this zero, and their v is still blended, as in Apex.
+  at::Tensor grad_norms = at::zeros({packed.num_tensors}, opts);
+  if (packed.total_chunks > 0) {
+    at::Tensor partials = at::empty({packed.total_chunks}, opts);
+    at::Tensor total = at::empty({}, opts);  // the finalize always writes it; unused here
+    for (const kernels::TensorGroup& g : grad_groups(packed)) {
+      kernels::NormParams np;
+      np.group = &g;
+      np.type = type;
+      np.partials = partials.data_ptr<float>();
+      run.norm_partials(np);
+    }
+    kernels::NormFinalizeParams f;
+    f.all = &packed.all;
+    f.type = type;
+    f.partials = partials.data_ptr<float>();
+    f.total_chunks = packed.total_chunks;
+    f.total = total.data_ptr<float>();
+    f.per_tensor = grad_norms.data_ptr<float>();
+    run.norm_finalize(f);
+  }
+
+  if (step_tensor) run.increment_step(step_tensor_ptr(step_tensor), scalars.found_inf);
+
+  kernels::NovoGradMomentParams mp;
+  mp.grad_norms = grad_norms.data_ptr<float>();
+  mp.exp_avg_sq_norms = exp_avg_sq_norms.data_ptr<float>();
+  mp.num_tensors = packed.num_tensors;
+  mp.type = type;
+  mp.beta2 = static_cast<float>(beta2);
+  mp.init_zero = init_zero;
+  mp.scalars = scalars;
+  run.moment(mp);
+
+  for (const kernels::TensorGroup& g : packed.groups) {
+    kernels::NovoGradParams p;
+    p.group = &g;
+    p.scalars = scalars;
+    p.exp_avg_sq_norms = exp_avg_sq_norms.data_ptr<float>();
+    p.beta1 = static_cast<float>(beta1);
+    p.beta2 = static_cast<float>(beta2);
+    p.eps = static_cast<float>(eps);
+    p.weight_decay = static_cast<float>(weight_decay);
+    p.bias_correction = bias_correction;
+    p.grad_averaging = grad_averaging;
+    p.reg_inside_moment = reg_inside_moment;
+    p.has_master = has_master;
+    run.step(p);
+  }
+}
+
+}  // namespace mixprec::detail

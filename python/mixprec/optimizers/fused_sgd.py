@@ -1,0 +1,131 @@
+"""FusedSGD: Apex's FusedSGD (momentum, dampening, Nesterov, weight decay) on mixprec's fused op."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.optimizer import required
+
+from .. import _ops
+from ._base import FusedOptimizer
+
+
+class FusedSGD(FusedOptimizer):
+    """SGD in one fused pass per param group, with Apex's constructor and defaults and
+    torch.optim.SGD's numerics (a new momentum buffer starts as the gradient itself).
+
+    ``wd_after_momentum`` (Apex) adds the weight decay to the momentum-filtered direction instead
+    of to the gradient. ``master_weights=True`` (a mixprec keyword) keeps fp32 masters of fp16/bf16
+    params, updated together with the model copy; momentum buffers are always float32.
+    ``materialize_master_grads`` is accepted for Apex compatibility and changes nothing: the kernel
+    reads the model's gradients and unscales them in registers, so no fp32 master gradients are
+    ever made. ``maximize`` is torch.optim.SGD's. Checkpoints of torch.optim.SGD load too.
+    """
+
+    _state_keys = ("momentum_buffer",)
+
+    # torch.optim.SGD's checkpoints lack Apex's options (filled in by load_state_dict).
+    _keys_foreign_checkpoints_lack = ("wd_after_momentum", "materialize_master_grads")
+
+    def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False,
+                 wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False, *,
+                 master_weights=False, maximize=False):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, wd_after_momentum=wd_after_momentum, maximize=maximize)
+        self._check_hyper(defaults)
+        super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
+        self.materialize_master_grads = bool(materialize_master_grads)
+
+    @staticmethod
+    def _check_hyper(h):
+        """torch.optim.SGD's checks, plus finiteness (the op rejects inf and NaN anyway, but only
+        at the first step)."""
+        lr = h["lr"]
+        if lr is not required and not isinstance(lr, torch.Tensor) and not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"FusedSGD: invalid learning rate {lr}")
+        for name in ("momentum", "weight_decay"):
+            if not (math.isfinite(h[name]) and h[name] >= 0):
+                raise ValueError(f"FusedSGD: invalid {name} {h[name]}; it must be finite and >= 0")
+        if not math.isfinite(h["dampening"]):
+            raise ValueError(f"FusedSGD: invalid dampening {h['dampening']}")
+        if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
+            raise ValueError("FusedSGD: Nesterov momentum requires a momentum and zero dampening")
+
+    def add_param_group(self, param_group):
+        # A group's own values are checked like the defaults, before the group is added.
+        self._check_hyper({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}})
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key in ("nesterov", "wd_after_momentum", "maximize"):
+                group.setdefault(key, False)
+
+    def _init_state(self, p, group, state):
+        # Momentum buffers are made in _step_group, which must know which of them are new.
+        pass
+
+    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
+        momentum, dampening = group["momentum"], group["dampening"]
+        fresh = []
+        if momentum != 0:
+            for p in params:
+                state = self.state[p]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
+                                                                memory_format=torch.contiguous_format)
+                    fresh.append(p)
+
+        def run(ps, **step_args):
+            _ops.sgd_(
+                ps, [p.grad for p in ps], self._states(ps, "momentum_buffer") if momentum != 0 else (),
+                lr=lr, momentum=momentum, dampening=dampening, weight_decay=group["weight_decay"],
+                nesterov=group["nesterov"], wd_after_momentum=group["wd_after_momentum"],
+                maximize=group["maximize"], master_params=self._masters(ps), lr_tensor=lr_tensor,
+                grad_scale=grad_scale, found_inf=found_inf, **step_args,
+            )
+
+        # torch.optim.SGD starts a new buffer at the gradient; the op does so on the group's first
+        # step. With dampening 0 a zero buffer gives the gradient anyway (momentum * 0 + g), but
+        # otherwise buffers new to a group that has stepped before (a param's first gradient, a
+        # checkpoint without buffers) need a first step of their own: a host step of 1, skipped
+        # with found_inf like the rest, so no host sync either way. (One corner stays: a param
+        # whose very first update is skipped by found_inf in a group past its first step starts
+        # from a zero buffer, as Apex's kernel always does.)
+        if fresh and dampening != 0:
+            fresh_ids = {id(p) for p in fresh}
+            run(fresh, step=1)
+            rest = [p for p in params if id(p) not in fresh_ids]
+            if rest:
+                run(rest, step_tensor=step_tensor)
+            else:
+                # The op counts steps on the device; without a call that takes step_tensor, do the same.
+                step_tensor.add_(1.0 if found_inf is None else found_inf.eq(0).to(step_tensor.dtype))
+        else:
+            run(params, step_tensor=step_tensor)
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # Checkpoints of torch.optim.SGD lack mixprec's group options and the step count. The
+            # count only tells the op whether a buffer is new: buffers present means at least one
+            # step was taken, so such a group resumes past its first step.
+            for key, value in self.defaults.items():
+                if key != "lr":
+                    group.setdefault(key, value)
+            if group.get("step") is None and any(
+                    self.state.get(p, {}).get("momentum_buffer") is not None for p in group["params"]):
+                device = group["params"][0].device
+                group["step"] = torch.ones(1, dtype=torch.float32, device=device)
+
+    def _validated_param_state(self, pid, p, saved_state):
+        # torch.optim.SGD saves momentum_buffer=None without momentum: load it as "no buffer yet".
+        if isinstance(saved_state, dict) and saved_state.get("momentum_buffer", 0) is None:
+            saved_state = {k: v for k, v in saved_state.items() if k != "momentum_buffer"}
+        out = super()._validated_param_state(pid, p, saved_state)
+        # The op keeps buffers in float32 (torch's own checkpoints hold them in the param's dtype).
+        if "momentum_buffer" in out:
+            out["momentum_buffer"] = out["momentum_buffer"].float()
+        return out
