@@ -17,6 +17,12 @@ from ._ops import (
 )
 
 from . import optimizers  # noqa: E402  (needs the ops loaded above)
+from .grad_scaler import GradScaler  # noqa: E402
+from . import amp  # noqa: E402
+from .apex_alias import enable_apex_alias  # noqa: E402
+from . import apex_alias as _apex_alias  # noqa: E402
+
+_apex_alias.enable_from_env()  # MIXPREC_APEX_ALIAS=1: `import apex` resolves to mixprec
 
 __version__ = "0.1.0"
 
@@ -24,6 +30,9 @@ __version__ = "0.1.0"
 cmake_prefix_path = _library.cmake_prefix_path()
 
 __all__ = [
+    "GradScaler",
+    "amp",
+    "enable_apex_alias",
     "adagrad_",
     "adam_",
     "lamb_",

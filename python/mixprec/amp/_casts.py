@@ -1,0 +1,207 @@
+"""Casting under amp, all through torch.autocast: the model-forward wrapper (O1 autocast, O2/O3
+input and output casts), disable_casts(), Apex's half/float/promote_function decorators and
+register_*_function calls. No torch function is patched unless the user registers it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import abc
+from types import MethodType
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+_registry: list[tuple[Any, str, str]] = []  # (module, name, kind) from register_*_function
+_WRAPPED = "__mixprec_amp_cast__"
+
+
+# -- casting values ------------------------------------------------------------------------------
+def applier(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apex's applier: ``fn`` on every tensor inside (nested) lists, tuples, dicts and objects
+    with a ``to`` method; strings and numpy arrays are left alone."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (str, bytes)):
+        return value
+    if type(value).__module__ == "numpy":
+        return value
+    if hasattr(value, "to") and not isinstance(value, torch.nn.Module):
+        return fn(value)
+    if isinstance(value, abc.Mapping):
+        items = {applier(k, fn): applier(v, fn) for k, v in value.items()}
+        try:
+            return items if type(value) is dict else type(value)(items)
+        except TypeError:  # mappings that cannot be built from a dict (defaultdict, ...)
+            return items
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(applier(v, fn) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(applier(v, fn) for v in value)
+    return value
+
+
+def to_type(dtype: torch.dtype, t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        return t.to(dtype) if t.is_floating_point() else t
+    try:
+        return t.to(dtype)  # custom batch classes (Apex did the same)
+    except Exception:
+        return t
+
+
+def _device_type_of(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    for t in module.parameters():
+        return t.device.type
+    for t in module.buffers():
+        return t.device.type
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtype] = None,
+                  input_dtype: Optional[torch.dtype] = None, output_dtype: Optional[torch.dtype] = None) -> None:
+    """Wraps ``model.forward`` (an instance attribute bound to ``model``, so deepcopy, DDP and
+    torch.compile see an ordinary method): inputs cast to ``input_dtype``, the forward run under
+    ``torch.autocast(dtype=autocast_dtype)``, outputs cast to ``output_dtype``."""
+    inner = model.__dict__.get("forward")
+    if inner is None:
+        func = type(model).forward
+
+        def call(self, *args, **kwargs):
+            return func(self, *args, **kwargs)
+    else:
+        def call(self, *args, **kwargs):
+            return inner(*args, **kwargs)
+
+    cast_in = functools.partial(to_type, input_dtype) if input_dtype is not None else None
+    cast_out = functools.partial(to_type, output_dtype) if output_dtype is not None else None
+
+    def forward(self, *args, **kwargs):
+        if cast_in is not None:
+            args, kwargs = applier(args, cast_in), applier(kwargs, cast_in)
+        if autocast_dtype is not None:
+            with torch.autocast(_device_type_of(self, args, kwargs), dtype=autocast_dtype):
+                output = call(self, *args, **kwargs)
+        else:
+            output = call(self, *args, **kwargs)
+        return applier(output, cast_out) if cast_out is not None else output
+
+    model.forward = MethodType(forward, model)
+
+
+# -- disable_casts and the decorators ------------------------------------------------------------
+def _device_types() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Runs the enclosed code without amp's casts (autocast off on every device), e.g. a custom
+    op inside an O1 model's forward that must see its inputs' own dtypes."""
+    with contextlib.ExitStack() as stack:
+        for device_type in _device_types():
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def _first_tensor_device(args: tuple, kwargs: dict) -> Optional[str]:
+    found: list[str] = []
+
+    def visit(t):
+        if not found:
+            found.append(t.device.type)
+        return t
+
+    applier((args, kwargs), lambda t: visit(t) if isinstance(t, torch.Tensor) else t)
+    return found[0] if found else None
+
+
+def _float_dtypes(args: tuple, kwargs: dict) -> set:
+    seen: set = set()
+
+    def visit(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            seen.add(t.dtype)
+        return t
+
+    applier((args, kwargs), visit)
+    return seen
+
+
+def _cast_wrapper(fn: Callable, kind: str) -> Callable:
+    if getattr(fn, _WRAPPED, None) is not None:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device_type = _first_tensor_device(args, kwargs)
+        if device_type is None or not torch.is_autocast_enabled(device_type):
+            return fn(*args, **kwargs)  # amp's casts are off here: the function runs as written
+        if kind == "half":
+            dtype = torch.get_autocast_dtype(device_type)
+        elif kind == "float":
+            dtype = torch.float32
+        else:  # promote: the widest floating type among the inputs
+            dtypes = _float_dtypes(args, kwargs)
+            dtype = None if len(dtypes) <= 1 else functools.reduce(torch.promote_types, dtypes)
+        if dtype is not None:
+            cast = functools.partial(to_type, dtype)
+            args, kwargs = applier(args, cast), applier(kwargs, cast)
+        with torch.autocast(device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    setattr(wrapper, _WRAPPED, kind)
+    return wrapper
+
+
+def half_function(fn: Callable) -> Callable:
+    """Decorator: where amp's casts are active (autocast on, e.g. in an O1 forward), ``fn`` runs
+    with autocast off on its floating inputs cast to amp's low-precision dtype (float16, or
+    bfloat16 when chosen). Elsewhere it runs unchanged."""
+    return _cast_wrapper(fn, "half")
+
+
+def float_function(fn: Callable) -> Callable:
+    """Decorator: like :func:`half_function`, with the inputs cast to float32."""
+    return _cast_wrapper(fn, "float")
+
+
+def promote_function(fn: Callable) -> Callable:
+    """Decorator: like :func:`half_function`, with the floating inputs cast to the widest
+    floating dtype among them (no cast when they agree)."""
+    return _cast_wrapper(fn, "promote")
+
+
+def _register(module: Any, name: str, kind: str) -> None:
+    if not hasattr(module, name):
+        raise ValueError(f"No function named {name} in module {module}.")
+    _registry.append((module, name, kind))
+    apply_registry()
+
+
+def apply_registry() -> None:
+    """Replaces each registered ``module.name`` by its cast wrapper (once). The wrappers act only
+    where autocast is on, so they may be installed at registration time."""
+    for module, name, kind in _registry:
+        fn = getattr(module, name)
+        if getattr(fn, _WRAPPED, None) is None:
+            setattr(module, name, _cast_wrapper(fn, kind))
+
+
+def register_half_function(module: Any, function_name: str) -> None:
+    """Makes ``module.function_name`` a :func:`half_function` (Apex's call, e.g.
+    ``amp.register_half_function(torch, "bmm")``)."""
+    _register(module, function_name, "half")
+
+
+def register_float_function(module: Any, function_name: str) -> None:
+    """Makes ``module.function_name`` a :func:`float_function`."""
+    _register(module, function_name, "float")
+
+
+def register_promote_function(module: Any, function_name: str) -> None:
+    """Makes ``module.function_name`` a :func:`promote_function`."""
+    _register(module, function_name, "promote")

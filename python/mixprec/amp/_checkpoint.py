@@ -1,0 +1,233 @@
+"""Checkpoints under amp: Apex's amp.state_dict()/load_state_dict() of the loss scalers, and
+checkpoint_state()/load_checkpoint_state(), which save and restore models, optimizers (with
+their fp32 master weights, which Apex lost) and scalers together, validated before any change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._loss_scale import _check_number, validate_extra_state
+from . import _optimizer
+from ._optimizer import SWAP
+from ._scaler import _amp_state
+
+FORMAT = "mixprec.amp.checkpoint"
+VERSION = 1
+
+
+def _require_initialized() -> None:
+    if not _amp_state.initialized:
+        raise RuntimeError("mixprec.amp is not initialized: call amp.initialize(...) first")
+
+
+def state_dict(destination=None) -> dict:
+    """The loss scalers' state, Apex's format: ``{"loss_scaler0": {"loss_scale", "unskipped"}, ...}``
+    plus mixprec's keys (``_skipped_steps``, ``_hysteresis_tracker``, ...). Syncs."""
+    _require_initialized()
+    if destination is None:
+        destination = {}
+    for idx, scaler in enumerate(_amp_state.loss_scalers):
+        entry = {"loss_scale": scaler.state.get_scale(), "unskipped": scaler.state.get_growth_tracker()}
+        entry.update(scaler.state.extra_state())
+        destination[f"loss_scaler{idx}"] = entry
+    return destination
+
+
+def _validated_scalers(state: Any, where: str) -> list[tuple[int, dict, dict]]:
+    if not isinstance(state, dict):
+        raise ValueError(f"{where}: expected a dict of loss scalers, got {type(state).__name__}")
+    unexpected = [k for k in state if not (isinstance(k, str) and k.startswith("loss_scaler"))]
+    if unexpected:
+        raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+                           + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    if len(state) != len(_amp_state.loss_scalers):
+        raise ValueError(f"{where}: it holds {len(state)} loss scalers but amp was initialized with num_losses="
+                         f"{len(_amp_state.loss_scalers)}")
+    out = []
+    for idx in range(len(_amp_state.loss_scalers)):
+        key = f"loss_scaler{idx}"
+        entry = state.get(key)
+        if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
+            raise ValueError(f"{where}[{key!r}] must be a dict with 'loss_scale' and 'unskipped'")
+        _check_number(f"{where}[{key!r}]['loss_scale']", entry["loss_scale"], lo=0, lo_open=True)
+        _check_number(f"{where}[{key!r}]['unskipped']", entry["unskipped"], integer=True, lo=0)
+        out.append((idx, entry, validate_extra_state(entry, f"{where}[{key!r}]")))
+    return out
+
+
+def _apply_scalers(validated: list[tuple[int, dict, dict]]) -> None:
+    for idx, entry, extra in validated:
+        s = _amp_state.loss_scalers[idx].state
+        s.hysteresis = extra.get("hysteresis", s.hysteresis)
+        if "min_scale" in extra:
+            s.min_scale = extra["min_scale"]
+        if "max_scale" in extra:
+            s.max_scale = extra["max_scale"]
+        s.set_values(entry["loss_scale"], entry["unskipped"], extra.get("_hysteresis_tracker", s.hysteresis),
+                     extra.get("_skipped_steps"))
+
+
+def load_state_dict(state_dict: dict) -> None:
+    """Loads :func:`state_dict`'s output (or Apex's), validating all of it before changing anything."""
+    _require_initialized()
+    _apply_scalers(_validated_scalers(state_dict, "amp.load_state_dict: state_dict"))
+
+
+def _listify(value, cls) -> list:
+    if value is None:
+        return []
+    return [value] if isinstance(value, cls) else list(value)
+
+
+def _swap_masters(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    stash = getattr(opt, "_amp_stash", None)
+    return list(stash.low_masters) if stash is not None and stash.kind == SWAP else []
+
+
+def checkpoint_state(models, optimizers=None) -> dict:
+    """Everything needed to resume: each model's ``state_dict()``, each optimizer's (a mixprec
+    fused optimizer's holds its fp32 masters), the fp32 masters that Apex kept in the param
+    groups (which ``optimizer.state_dict()`` does not hold), and the loss scalers. Plain data and
+    tensors: ``torch.save`` it, ``torch.load(path, weights_only=True)`` reads it back.
+
+    Example::
+
+        torch.save(amp.checkpoint_state(model, optimizer), "ckpt.pt")
+        ...
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        amp.load_checkpoint_state(torch.load("ckpt.pt", weights_only=True), model, optimizer)
+
+    Call it between steps (after ``optimizer.step()``). Syncs.
+    """
+    _require_initialized()
+    models = _listify(models, torch.nn.Module)
+    optimizers = _listify(optimizers, torch.optim.Optimizer)
+    props = _amp_state.opt_properties
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "opt_level": props.opt_level,
+        "dtype": str(_amp_state.dtype).replace("torch.", ""),
+        "models": [m.state_dict() for m in models],
+        "optimizers": [o.state_dict() for o in optimizers],
+        "masters": [[m.detach().clone() for m in _swap_masters(o)] for o in optimizers],
+        "amp": state_dict(),
+    }
+
+
+_PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "acc_delta",
+                 "master_param", "exp_inf", "mu_product", "prev", "ax", "eta_prev")
+
+
+def _validate_model(i: int, model: torch.nn.Module, saved: Any) -> None:
+    where = f"amp.load_checkpoint_state: checkpoint['models'][{i}]"
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where} is not a state_dict")
+    current = model.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    if missing or unexpected:
+        raise ValueError(f"{where} does not match the model: missing keys {missing[:5]}, unexpected keys "
+                         f"{unexpected[:5]}")
+    for k, v in current.items():
+        s = saved[k]
+        if isinstance(v, torch.Tensor):
+            if not isinstance(s, torch.Tensor):
+                raise ValueError(f"{where}[{k!r}] is not a tensor")
+            if s.shape != v.shape:
+                raise ValueError(f"{where}[{k!r}] has shape {tuple(s.shape)} but the model's is {tuple(v.shape)}")
+            if s.is_floating_point() != v.is_floating_point():
+                raise ValueError(f"{where}[{k!r}] has dtype {s.dtype}, incompatible with the model's {v.dtype}")
+
+
+def _validate_optimizer(i: int, opt: torch.optim.Optimizer, saved: Any, masters: Any) -> None:
+    where = f"amp.load_checkpoint_state: checkpoint['optimizers'][{i}]"
+    if not isinstance(saved, dict) or "state" not in saved or "param_groups" not in saved:
+        raise ValueError(f"{where} is not an optimizer state_dict (needs 'state' and 'param_groups')")
+    groups = saved["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+        raise ValueError(f"{where} has {len(groups) if isinstance(groups, list) else '?'} param groups, the "
+                         f"optimizer {len(opt.param_groups)}")
+    id_to_param = {}
+    for gi, (g, cur) in enumerate(zip(groups, opt.param_groups)):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(cur["params"]):
+            raise ValueError(f"{where}: param group {gi} does not match the optimizer's ({len(cur['params'])} params)")
+        id_to_param.update(zip(g["params"], cur["params"]))
+    if not isinstance(saved["state"], dict):
+        raise ValueError(f"{where}['state'] is not a dict")
+    for pid, st in saved["state"].items():
+        if pid not in id_to_param:
+            raise ValueError(f"{where}: state for unknown parameter id {pid!r}")
+        if not isinstance(st, dict):
+            raise ValueError(f"{where}: state[{pid!r}] is not a dict")
+        p = id_to_param[pid]
+        for k in _PARAM_SHAPED:
+            v = st.get(k)
+            if v is not None and (not isinstance(v, torch.Tensor) or v.shape != p.shape):
+                raise ValueError(f"{where}: state[{pid!r}][{k!r}] must be a tensor of shape {tuple(p.shape)}")
+    expected = _swap_masters(opt)
+    where = f"amp.load_checkpoint_state: checkpoint['masters'][{i}]"
+    if not isinstance(masters, list) or len(masters) != len(expected):
+        raise ValueError(f"{where} holds {len(masters) if isinstance(masters, list) else '?'} master weights, the "
+                         f"optimizer {len(expected)}")
+    for j, (m, cur) in enumerate(zip(masters, expected)):
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.float32 or m.shape != cur.shape:
+            raise ValueError(f"{where}[{j}] must be a float32 tensor of shape {tuple(cur.shape)}")
+
+
+def load_checkpoint_state(checkpoint: Any, models, optimizers=None) -> None:
+    """Restores what :func:`checkpoint_state` saved into models and optimizers that went through
+    ``amp.initialize`` with the same opt level and dtype. Everything is validated first: a
+    corrupt or mismatched checkpoint raises ValueError and changes nothing. Training then
+    continues bit-identically to a run that never stopped (given the same data and RNG)."""
+    _require_initialized()
+    models = _listify(models, torch.nn.Module)
+    optimizers = _listify(optimizers, torch.optim.Optimizer)
+    where = "amp.load_checkpoint_state"
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        raise ValueError(f"{where}: not a mixprec.amp checkpoint (made by amp.checkpoint_state)")
+    if checkpoint.get("version") != VERSION:
+        raise ValueError(f"{where}: checkpoint version {checkpoint.get('version')!r}, this mixprec reads {VERSION}")
+    for key in ("opt_level", "dtype", "models", "optimizers", "masters", "amp"):
+        if key not in checkpoint:
+            raise ValueError(f"{where}: the checkpoint has no {key!r}")
+    props = _amp_state.opt_properties
+    dtype = str(_amp_state.dtype).replace("torch.", "")
+    if checkpoint["opt_level"] != props.opt_level or checkpoint["dtype"] != dtype:
+        raise ValueError(f"{where}: the checkpoint was saved under {checkpoint['opt_level']}/{checkpoint['dtype']}, "
+                         f"amp is initialized with {props.opt_level}/{dtype}")
+    for key, have, what in (("models", models, "models"), ("optimizers", optimizers, "optimizers"),
+                            ("masters", optimizers, "optimizers")):
+        if not isinstance(checkpoint[key], list) or len(checkpoint[key]) != len(have):
+            n = len(checkpoint[key]) if isinstance(checkpoint[key], list) else "?"
+            raise ValueError(f"{where}: checkpoint[{key!r}] has {n} entries for {len(have)} {what}")
+    for i, (m, saved) in enumerate(zip(models, checkpoint["models"])):
+        _validate_model(i, m, saved)
+    for i, (o, saved, masters) in enumerate(zip(optimizers, checkpoint["optimizers"], checkpoint["masters"])):
+        _validate_optimizer(i, o, saved, masters)
+    scalers = _validated_scalers(checkpoint["amp"], f"{where}: checkpoint['amp']")
+
+    # Optimizers first: their own loaders check what is left and raise before changing anything;
+    # if a later one fails, the earlier ones are put back.
+    previous = []
+    try:
+        for o, saved in zip(optimizers, checkpoint["optimizers"]):
+            previous.append((o, o.state_dict()))
+            o.load_state_dict(saved)
+    except Exception:
+        for o, old in previous[:-1]:
+            o.load_state_dict(old)
+        raise
+    with torch.no_grad(), _optimizer.refresh_suspended():
+        # The masters come from the checkpoint, not from the (rounded) model values.
+        for m, saved in zip(models, checkpoint["models"]):
+            m.load_state_dict(saved)
+        for o, masters in zip(optimizers, checkpoint["masters"]):
+            stash = getattr(o, "_amp_stash", None)
+            if stash is not None and stash.kind == SWAP:
+                for cur, saved_m, low in zip(stash.low_masters, masters, stash.low_params):
+                    cur.copy_(saved_m)
+                    low.copy_(cur)
+    _apply_scalers(scalers)

@@ -1,0 +1,229 @@
+"""amp.initialize: Apex's signature and opt-level semantics, with the low-precision dtype chosen
+by ``dtype=`` (float16 or bfloat16); casts models, patches their forward, processes optimizers
+and creates the loss scalers."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional
+
+import torch
+
+from ._casts import apply_registry, patch_forward
+from ._optimizer import refresh_masters_from_model
+from ._process import process_optimizer
+from ._properties import LOW_DTYPES, Properties, logger, opt_levels, warn_or_err
+from ._scaler import LossScaler, _amp_state, _is_rank0
+
+
+def _maybe_log(msg: str, verbosity: int) -> None:
+    if verbosity > 0 and _is_rank0():
+        logger.info(msg)
+
+
+def _resolve_dtype(dtype: Optional[torch.dtype], cast_model_type: Any) -> torch.dtype:
+    if dtype is not None and dtype not in LOW_DTYPES:
+        raise ValueError(f"amp.initialize: dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+    if cast_model_type in LOW_DTYPES:
+        if dtype is not None and dtype != cast_model_type:
+            raise ValueError(f"amp.initialize: dtype={dtype} conflicts with cast_model_type={cast_model_type}")
+        return cast_model_type
+    return dtype if dtype is not None else torch.float16
+
+
+def _check_loss_scale_bounds(min_loss_scale: Any, max_loss_scale: Any) -> None:
+    for name, v in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
+        if v is None and name == "min_loss_scale":
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"amp.initialize: {name} must be a positive finite number, got {v!r}")
+    if min_loss_scale is not None and max_loss_scale < min_loss_scale:
+        raise ValueError(f"amp.initialize: max_loss_scale ({max_loss_scale}) < min_loss_scale ({min_loss_scale})")
+
+
+def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
+               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
+               cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.**24,
+               *, dtype: Optional[torch.dtype] = None, scale_history: int = 0):
+    """Initializes models and optimizers for mixed precision, as ``apex.amp.initialize`` did.
+
+    Returns the models and optimizers in the shape given (one, a list, or the model alone when
+    ``optimizers`` is None): the same objects, changed in place. Opt levels:
+
+    - ``O0``: fp32 throughout (a baseline).
+    - ``O1``: fp32 weights; the model's forward runs under ``torch.autocast`` (ops in fp16/bf16
+      where safe, fp32 where not; torch's functions are not patched); dynamic loss scaling.
+      Code outside the forward (the loss) runs as written, on the forward's fp16/bf16 outputs:
+      pass ``cast_model_outputs=torch.float32`` to compute the loss in fp32, as Apex's patched
+      loss functions did.
+    - ``O2``: the model cast to fp16/bf16 except BatchNorm; fp32 master weights (a mixprec fused
+      optimizer keeps them itself and writes the model copy in its kernel; any other optimizer
+      gets Apex's masters in its param groups, copied to the model after each step); inputs cast
+      to the low dtype and outputs to fp32; dynamic loss scaling.
+    - ``O3``: pure fp16/bf16 (outputs still cast to fp32, as Apex did); static scale 1.
+
+    mixprec's keywords: ``dtype=torch.bfloat16`` picks bfloat16 at every level (O2/O3 also
+    accept ``cast_model_type=torch.bfloat16``); loss scaling is then off by default (a static
+    scale of 1: no check, no skip) unless ``loss_scale="dynamic"`` is passed. ``scale_history=n``
+    keeps each loss scaler's last n (scale, overflow) pairs on the device for
+    :func:`mixprec.amp.scale_history`.
+
+    Overrides are validated as Apex did (an O1 with master weights, a patched-function request
+    outside O1, ... raise RuntimeError). Overflowing steps are skipped on the device with no
+    host synchronization; a rate-limited "Gradient overflow" warning goes to the logger
+    ``mixprec.amp`` on rank 0 (``verbosity=0`` silences it).
+    """
+    _amp_state.opt_properties = Properties()
+    _amp_state.verbosity = verbosity
+    _amp_state.deferred_updates = []
+    if not enabled:
+        return models if optimizers is None else (models, optimizers)
+    if opt_level not in opt_levels:
+        raise RuntimeError(f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3'.  Note "
+                           "that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero.")
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+        raise ValueError(f"amp.initialize: num_losses must be a positive int, got {num_losses!r}")
+    _check_loss_scale_bounds(min_loss_scale, max_loss_scale)
+    if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"amp.initialize: cast_model_outputs must be a floating dtype, got {cast_model_outputs!r}")
+    low = _resolve_dtype(dtype, cast_model_type)
+
+    props = opt_levels[opt_level](Properties(), low)
+    _maybe_log(f"Selected optimization level {opt_levels[opt_level].brief}", verbosity)
+    _amp_state.min_loss_scale = min_loss_scale
+    _amp_state.max_loss_scale = max_loss_scale
+    # Apex's order of overrides; each setter validates against the opt level.
+    if cast_model_type is not None:
+        props.cast_model_type = cast_model_type
+    if patch_torch_functions is not None:
+        props.patch_torch_functions = patch_torch_functions
+    if keep_batchnorm_fp32 is not None:
+        props.keep_batchnorm_fp32 = keep_batchnorm_fp32
+    if master_weights is not None:
+        props.master_weights = master_weights
+    if loss_scale is not None:
+        props.loss_scale = loss_scale
+    if props.master_weights and props.cast_model_type in (None, False, torch.float32):
+        warn_or_err("master_weights=True needs a model cast to float16 or bfloat16 (opt_level O2, or "
+                    "cast_model_type=torch.float16/bfloat16).")
+    _maybe_log("After processing overrides, optimization options are:\n" +
+               "\n".join(f"{k:22} : {v}" for k, v in props.options.items()) + f"\n{'dtype':22} : {low}", verbosity)
+    return _initialize(models, optimizers, props, low, num_losses, cast_model_outputs, scale_history)
+
+
+def _is_bn(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.affine is True
+
+
+def convert_network(network: torch.nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+    """Casts floating params, their grads and buffers to ``dtype`` in place (same Parameter
+    objects, so optimizers still hold them), leaving affine BatchNorms in fp32 when asked."""
+    for module in network.modules():
+        if keep_batchnorm_fp32 and _is_bn(module):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point():
+                param.data = param.data.to(dtype)
+                if param.grad is not None and param.grad.is_floating_point():
+                    param.grad.data = param.grad.data.to(dtype)
+        for buf in module.buffers(recurse=False):
+            if buf is not None and buf.is_floating_point():
+                buf.data = buf.data.to(dtype)
+        if isinstance(module, torch.nn.RNNBase):
+            module.flatten_parameters()
+
+
+def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    # Apex's O2StateDictHook: model.state_dict() gives fp32 values under O2/O3, same keys.
+    for name in list(module._parameters) + list(module._buffers):
+        key = prefix + name
+        value = state_dict.get(key)
+        if isinstance(value, torch.Tensor) and value.dtype in LOW_DTYPES:
+            state_dict[key] = value.to(torch.float32)
+
+
+def _as_list(value, what: str, cls) -> tuple[list, bool]:
+    if isinstance(value, cls):
+        return [value], False
+    if isinstance(value, list) and all(isinstance(v, cls) for v in value):
+        return value, True
+    raise TypeError(f"{what} must be either a single {'model' if what == 'models' else 'optimizer'} or a list of "
+                    f"{what}.")
+
+
+def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_losses: int,
+                cast_model_outputs, scale_history: int):
+    models, models_was_list = _as_list(models, "models", torch.nn.Module)
+    if optimizers is None:
+        optimizers, optimizers_was_list = [], False
+    else:
+        optimizers, optimizers_was_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    for model in models:
+        if isinstance(model, parallel):
+            raise RuntimeError(f"Incoming model is an instance of {type(model).__module__}.{type(model).__name__}. "
+                               "Parallel wrappers should only be applied to the model(s) AFTER the model(s) have "
+                               "been returned from amp.initialize.")
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and param.dtype != torch.float32:
+                warn_or_err(f"Found param {name} with type {param.dtype}, expected torch.float32.\nWhen using "
+                            "amp.initialize, you do not need to call .half() on your model\nbefore passing it, no "
+                            "matter what optimization level you choose.")
+    for opt in optimizers:
+        if hasattr(opt, "_amp_stash"):
+            raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+
+    cast = props.cast_model_type if props.cast_model_type in LOW_DTYPES else None
+    originals: dict[torch.Tensor, torch.Tensor] = {}
+    if cast is not None:
+        keep_bn = bool(props.keep_batchnorm_fp32)
+        if props.master_weights:
+            for model in models:  # fp32 values before the cast become the masters
+                for module in model.modules():
+                    if keep_bn and _is_bn(module):
+                        continue
+                    for p in module.parameters(recurse=False):
+                        if p.is_floating_point():
+                            originals[p] = p.detach().clone()
+        for model in models:
+            convert_network(model, cast, keep_bn)
+    output_dtype = cast_model_outputs
+    for model in models:
+        if props.patch_torch_functions:
+            patch_forward(model, autocast_dtype=low, output_dtype=output_dtype)
+        elif props.cast_model_type:
+            patch_forward(model, input_dtype=props.cast_model_type, output_dtype=output_dtype or torch.float32)
+        elif output_dtype is not None:
+            patch_forward(model, output_dtype=output_dtype)
+        if cast is not None:
+            for module in model.modules():
+                module.register_state_dict_post_hook(_fp32_state_dict_hook)
+
+    for i, opt in enumerate(optimizers):
+        if cast is not None and not props.master_weights and opt.state:
+            opt.load_state_dict(opt.state_dict())  # recast existing per-param state (Apex's trick)
+        optimizers[i] = process_optimizer(opt, bool(props.master_weights), originals)
+    if props.master_weights and optimizers:
+        for model in models:
+            model.register_load_state_dict_post_hook(
+                functools.partial(_refresh_hook, optimizers=list(optimizers)))
+
+    _amp_state.loss_scalers = [
+        LossScaler(props.loss_scale, i, _amp_state.min_loss_scale, _amp_state.max_loss_scale, scale_history)
+        for i in range(num_losses)
+    ]
+    if props.patch_torch_functions:
+        apply_registry()
+    _amp_state.dtype = low
+    _amp_state.opt_properties = props
+
+    if optimizers_was_list:
+        return (models if models_was_list else models[0]), optimizers
+    if len(optimizers) == 0:
+        return models if models_was_list else models[0]
+    return (models if models_was_list else models[0]), optimizers[0]
+
+
+def _refresh_hook(module, incompatible_keys, *, optimizers):
+    refresh_masters_from_model(optimizers, module)

@@ -1,0 +1,146 @@
+"""How amp.initialize processes an optimizer in place: masters set up (Apex's swap into the
+param groups, or a mixprec fused optimizer's own), and step / zero_grad / add_param_group
+patched as bound methods, so the object stays the user's (isinstance holds)."""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any
+
+import torch
+
+from .._step_guard import StepGuard
+from ..optimizers import FusedOptimizer
+from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash
+from ._properties import LOW_DTYPES
+from ._scaler import _amp_state
+
+
+def _patched_step(self, *args: Any, **kwargs: Any):
+    stash: AmpStash = self._amp_stash
+    closure = args[0] if args else kwargs.get("closure")
+    if closure is not None:
+        raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+    _amp_state.flush_deferred_updates()
+    grad_scale = stash.prepare_step()
+    found = stash.found
+    if stash.fused and (found is not None or grad_scale is not None):
+        self.grad_scale, self.found_inf = grad_scale, found
+        try:
+            retval = stash.orig_step(*args, **kwargs)
+        finally:
+            del self.grad_scale
+            del self.found_inf
+    elif found is not None:
+        StepGuard.make_capturable(self)
+        retval = stash.guard.step(self, found, stash.orig_step, *args, **kwargs)
+    else:
+        retval = stash.orig_step(*args, **kwargs)
+    stash.after_step()
+    return retval
+
+
+def _patched_zero_grad(self, *args: Any, **kwargs: Any):
+    stash: AmpStash = self._amp_stash
+    retval = stash.orig_zero_grad(*args, **kwargs)
+    set_to_none = kwargs.get("set_to_none", args[0] if args else None)
+    set_to_none = True if set_to_none is None else bool(set_to_none)
+    for p in stash.low_params:
+        if p.grad is not None:
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
+    for _, m in stash.low_pairs():
+        m.grad = None
+    stash.stashed.clear()
+    stash.pending = stash.materialized = False
+    stash.grad_scale = stash.wb_scale = None
+    stash.contributions = 0
+    return retval
+
+
+def _make_master(p: torch.Tensor, originals: dict) -> torch.Tensor:
+    original = originals.get(p)
+    master = original if original is not None else p.detach().clone().float()
+    return master.detach().requires_grad_(True)
+
+
+def _patched_add_param_group(self, param_group: dict):
+    stash: AmpStash = self._amp_stash
+    if not isinstance(param_group, dict):
+        raise TypeError("param group must be a dict")
+    params = param_group["params"]
+    if isinstance(params, torch.Tensor):
+        param_group["params"] = [params]
+    elif isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
+                        "of tensors in sets will change between runs. Please use a list instead.")
+    else:
+        param_group["params"] = list(params)
+    if stash.kind == SWAP:
+        for i, p in enumerate(param_group["params"]):
+            if p.requires_grad and p.dtype in LOW_DTYPES:
+                master = _make_master(p, {})
+                param_group["params"][i] = master
+                stash.low_params.append(p)
+                stash.low_masters.append(master)
+                stash.master_ids.add(id(master))
+    retval = stash.orig_add_param_group(param_group)
+    if stash.kind == FUSED_MASTERS:
+        _init_fused_masters(self, self.param_groups[-1], {})
+    return retval
+
+
+def _init_fused_masters(optimizer: FusedOptimizer, group: dict, originals: dict) -> None:
+    for p in group["params"]:
+        if p.dtype == torch.float32:
+            continue
+        state = optimizer.state[p]
+        if not state:
+            optimizer._init_param_state(p, group)
+        if "master_param" not in state:
+            state["master_param"] = p.detach().clone(memory_format=torch.contiguous_format).float()
+        if p in originals:
+            state["master_param"].copy_(originals[p])
+
+
+def process_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool, originals: dict) -> torch.optim.Optimizer:
+    """Sets up ``optimizer`` for amp in place (same object: isinstance holds) and returns it.
+    ``originals`` maps cast params to their fp32 values from before the cast (the masters)."""
+    if hasattr(optimizer, "_amp_stash"):
+        raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+    if master_weights and isinstance(optimizer, FusedOptimizer):
+        kind = FUSED_MASTERS
+    elif master_weights:
+        kind = SWAP
+    else:
+        kind = PLAIN
+    stash = AmpStash(optimizer, kind)
+    if kind == SWAP:
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.requires_grad and p.dtype in LOW_DTYPES:
+                    master = _make_master(p, originals)
+                    group["params"][i] = master
+                    if p in optimizer.state:
+                        optimizer.state[master] = optimizer.state.pop(p)
+                    stash.low_params.append(p)
+                    stash.low_masters.append(master)
+                    stash.master_ids.add(id(master))
+        if optimizer.state:
+            optimizer.load_state_dict(optimizer.state_dict())  # recast existing state to fp32 (Apex)
+    elif kind == FUSED_MASTERS:
+        optimizer.master_weights = True
+        for group in optimizer.param_groups:
+            _init_fused_masters(optimizer, group, originals)
+    optimizer._amp_stash = stash
+    stash.orig_step = optimizer.step
+    stash.orig_zero_grad = optimizer.zero_grad
+    stash.orig_add_param_group = optimizer.add_param_group
+    # Bound methods (not closures), so that torch's LR schedulers can wrap step() as usual.
+    optimizer.step = MethodType(_patched_step, optimizer)
+    optimizer.zero_grad = MethodType(_patched_zero_grad, optimizer)
+    optimizer.add_param_group = MethodType(_patched_add_param_group, optimizer)
+    return optimizer

@@ -1,0 +1,134 @@
+"""amp's global state and its per-loss scalers (Apex's LossScaler on mixprec's device-side scale),
+with the rate-limited, rank-0, sync-free "skipping step" log."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from .._loss_scale import ScaleState
+
+logger = logging.getLogger("mixprec.amp")
+
+#: At most one overflow message per this many seconds per loss scaler (tests lower it).
+LOG_INTERVAL_S = 10.0
+
+
+def _is_rank0() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+class _OverflowReporter:
+    """Learns of skipped steps without waiting for the device: the skipped-step counter and the
+    scale are copied to pinned host memory behind a CUDA event, and read once the event has
+    passed, at a later step. One copy per LOG_INTERVAL_S at most; the message says how many steps
+    were skipped since the last one."""
+
+    def __init__(self, loss_id: int) -> None:
+        self.loss_id = loss_id
+        self.reported = 0
+        self.next_poll = 0.0
+        self.pending: Optional[tuple] = None
+        self.host: Optional[tuple] = None
+
+    def poll(self, state: ScaleState, verbosity: int) -> None:
+        if verbosity == 0 or state.skipped is None or not _is_rank0():
+            return
+        if self.pending is not None:
+            skipped, scale, event = self.pending
+            if event is not None and not event.query():
+                return
+            self.pending = None
+            self._report(int(skipped), float(scale))
+        now = time.monotonic()
+        if now < self.next_poll:
+            return
+        self.next_poll = now + LOG_INTERVAL_S
+        if state.skipped.device.type != "cuda":
+            # Host memory: the values are already final, reading them waits for nothing.
+            self._report(int(state.skipped), float(state.scale))
+            return
+        if self.host is None:  # pinned once, so the copies below are truly asynchronous
+            self.host = (torch.empty((), dtype=torch.int64, pin_memory=True),
+                         torch.empty((), dtype=torch.float32, pin_memory=True))
+        skipped, scale = self.host
+        skipped.copy_(state.skipped, non_blocking=True)
+        scale.copy_(state.scale, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending = (skipped, scale, event)
+
+    def _report(self, skipped: int, scale: float) -> None:
+        if skipped > self.reported:
+            n = skipped - self.reported
+            self.reported = skipped
+            logger.warning("Gradient overflow.  Skipping step, loss scaler %d reducing loss scale to %s "
+                           "(%d step%s skipped since the last message, %d in total)",
+                           self.loss_id, scale, n, "" if n == 1 else "s", skipped)
+
+
+class LossScaler:
+    """One loss's scale (Apex's LossScaler): dynamic (starting at min(max_loss_scale, 2**16),
+    halved on overflow down to min_loss_scale, doubled after 2000 clean steps up to
+    max_loss_scale) or static. The values live on the device of the first scaled loss."""
+
+    def __init__(self, loss_scale, loss_id: int = 0, min_loss_scale: Optional[float] = None,
+                 max_loss_scale: float = 2.0**24, history_size: int = 0) -> None:
+        self.dynamic = loss_scale == "dynamic"
+        init = min(max_loss_scale, 2.0**16) if self.dynamic else float(loss_scale)
+        self.state = ScaleState(init, 2.0, 0.5, 2000, 1, min_loss_scale if self.dynamic else None,
+                                max_loss_scale if self.dynamic else None, history_size)
+        self.reporter = _OverflowReporter(loss_id)
+        self.loss_id = loss_id
+
+    def scale_tensor(self, device: torch.device) -> torch.Tensor:
+        self.state.lazy_init(device)
+        return self.state.scale
+
+    def update(self, found: torch.Tensor, verbosity: int) -> None:
+        if self.dynamic:
+            self.state.update(found)
+            self.reporter.poll(self.state, verbosity)
+
+    # Apex's API (these synchronize).
+    def loss_scale(self) -> float:
+        return self.state.get_scale()
+
+    @property
+    def _loss_scale(self) -> float:
+        return self.state.get_scale()
+
+    @property
+    def _unskipped(self) -> int:
+        return self.state.get_growth_tracker()
+
+
+class AmpState:
+    """What amp.initialize sets up, module-global as in Apex (one initialize at a time)."""
+
+    def __init__(self) -> None:
+        self.opt_properties = None
+        self.loss_scalers: list[LossScaler] = []
+        self.verbosity = 1
+        self.dtype = torch.float16
+        self.min_loss_scale: Optional[float] = None
+        self.max_loss_scale = 2.0**24
+        self.deferred_updates: list[tuple[LossScaler, torch.Tensor]] = []
+        self.hard_override = False
+
+    @property
+    def initialized(self) -> bool:
+        return self.opt_properties is not None
+
+    def flush_deferred_updates(self) -> None:
+        """Scale updates postponed by scale_loss(delay_overflow_check=True), applied at the step."""
+        pending, self.deferred_updates = self.deferred_updates, []
+        for scaler, found in pending:
+            scaler.update(found, self.verbosity)
+
+
+_amp_state = AmpState()

@@ -1,0 +1,120 @@
+# Shared pieces of the mixprec.amp tests: a small model with BatchNorm, fresh random data, the
+# optimizer configurations, and a training loop through amp.scale_loss with injected inf/NaN.
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from conftest import random_tensor
+from mixprec import amp
+from mixprec.optimizers import FusedAdam
+
+LEVELS = ("O0", "O1", "O2", "O3")
+
+
+@pytest.fixture(autouse=True)
+def one_cpu_thread():
+    """These models are tiny: ATen's thread pool only adds contention on a busy CI machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+OPT_KINDS = ("fused", "torch", "two")
+
+
+def make_model(gen, device) -> torch.nn.Module:
+    # No bias before the BatchNorm: its gradient is rounding noise, which Adam would amplify.
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32, bias=False), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(random_tensor(p.shape, torch.float32, "cpu", gen, scale=0.2))
+    return model.to(device)
+
+
+def make_batches(gen, device, steps: int, accum: int):
+    return [[(random_tensor((16, 8), torch.float32, device, gen), random_tensor((16, 4), torch.float32, device, gen))
+             for _ in range(accum)] for _ in range(steps)]
+
+
+def make_optimizers(kind: str, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    if kind == "fused":
+        return [FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)]
+    if kind == "torch":
+        # eps representable in fp16, so that the pure-fp16 peer runs (O2/O3) stay finite
+        return [torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-3)]
+    first = list(model[0].parameters()) + list(model[1].parameters())
+    return [FusedAdam(first, lr=1e-2), torch.optim.SGD(model[3].parameters(), lr=0.05, momentum=0.9)]
+
+
+def losses_of(out: torch.Tensor, y: torch.Tensor, n_losses: int) -> list[torch.Tensor]:
+    out = out.float()
+    return [torch.nn.functional.mse_loss(out, y), 0.1 * out.abs().mean()][:n_losses]
+
+
+def poison(model: torch.nn.Module, layer: int, value: float) -> None:
+    model[layer].weight.grad.view(-1)[3] = value
+
+
+#: (step, micro-batch, loss id) -> (layer whose grad is poisoned, value); the steps to skip.
+def injections(n_losses: int, accum: int) -> dict:
+    return {(2, accum - 1, 0): (0, math.inf), (4, 0, n_losses - 1): (3, math.nan)}
+
+
+def train_amp(model, optimizers, batches, n_losses: int, inject: dict, *, clip: float | None = None):
+    """amp's training loop: one loss delays unscaling over micro-batches (Apex's accumulation
+    recipe); several losses unscale each backward (the stash path). Returns the outputs."""
+    accum = len(batches[0])
+    outputs = []
+    for step, micro in enumerate(batches):
+        for opt in optimizers:
+            opt.zero_grad()
+        for mb, (x, y) in enumerate(micro):
+            out = model(x)
+            outputs.append(out.detach())
+            losses = losses_of(out, y, n_losses)
+            for lid, loss in enumerate(losses):
+                delay = n_losses == 1 and mb < accum - 1
+                with amp.scale_loss(loss, optimizers, loss_id=lid, delay_unscale=delay) as scaled:
+                    scaled.backward(retain_graph=lid < n_losses - 1)
+                    if (step, mb, lid) in inject:
+                        poison(model, *inject[(step, mb, lid)])
+        if clip is not None:
+            for opt in optimizers:
+                torch.nn.utils.clip_grad_norm_(amp.master_params(opt), clip)
+        for opt in optimizers:
+            opt.step()
+    return outputs
+
+
+def train_plain(model, optimizers, batches, n_losses: int, skip_steps: set, *, autocast=None, cast=None):
+    """The plain-PyTorch loop the amp runs are measured against: grads accumulated over
+    micro-batches and losses, steps skipped where amp's would overflow. ``cast`` casts inputs (a low-precision
+    model); ``autocast`` runs the forward under torch.autocast."""
+    for step, micro in enumerate(batches):
+        for opt in optimizers:
+            opt.zero_grad()
+        for x, y in micro:
+            x = x.to(cast) if cast is not None else x
+            if autocast is not None:
+                with torch.autocast(x.device.type, dtype=autocast):
+                    out = model(x)
+            else:
+                out = model(x)
+            losses = losses_of(out, y, n_losses)
+            for i, loss in enumerate(losses):  # one backward per loss, as amp's loop does
+                loss.backward(retain_graph=i < len(losses) - 1)
+        if step not in skip_steps:
+            for opt in optimizers:
+                opt.step()
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
+
+
+def fresh(model0: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model0)

@@ -1,0 +1,197 @@
+# The opt-in legacy alias: `import apex`, `from apex import amp`, `from apex.optimizers import
+# FusedAdam` resolve to mixprec after mixprec.enable_apex_alias() or MIXPREC_APEX_ALIAS=1, never
+# shadow a real apex, and run Apex's documented amp examples unchanged. Each case runs in a fresh
+# interpreter, so no alias leaks into this process.
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Apex's README/amp.rst example and its checkpointing recipe, verbatim where the docs show code
+# (the docs' "..." filled in with a small regression problem).
+APEX_EXAMPLE = '''
+import torch
+from apex import amp
+
+N, D_in, D_out = 64, 256, 16
+x = torch.randn(N, D_in).cuda()
+y = torch.randn(N, D_out).cuda()
+
+# Declare model and optimizer as usual, with default (FP32) precision
+model = torch.nn.Linear(D_in, D_out).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+# Allow Amp to perform casts as required by the opt_level
+opt_level = 'O1'
+model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
+
+losses = []
+for t in range(20):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    # loss.backward() becomes:
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+
+# Save checkpoint
+checkpoint = {
+    'model': model.state_dict(),
+    'optimizer': optimizer.state_dict(),
+    'amp': amp.state_dict()
+}
+torch.save(checkpoint, 'amp_checkpoint.pt')
+
+# Restore
+model = torch.nn.Linear(D_in, D_out).cuda()
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+checkpoint = torch.load('amp_checkpoint.pt')
+
+model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level)
+model.load_state_dict(checkpoint['model'])
+optimizer.load_state_dict(checkpoint['optimizer'])
+amp.load_state_dict(checkpoint['amp'])
+
+# Continue training
+for t in range(5):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+
+# apex.optimizers with O2, as in Apex's README
+import apex
+model = torch.nn.Linear(D_in, D_out).cuda()
+opt = apex.optimizers.FusedAdam(model.parameters(), lr=1e-3)
+model, opt = amp.initialize(model, opt, opt_level="O2")
+for t in range(5):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    with amp.scale_loss(loss, opt) as scaled_loss:
+        scaled_loss.backward()
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+    opt.step()
+    losses.append(loss.item())
+'''
+
+# On a machine without CUDA the example's .cuda() calls become no-ops; the example itself is
+# unchanged.
+CPU_PRELUDE = '''
+import torch
+torch.nn.Module.cuda = lambda self, *a, **k: self
+torch.Tensor.cuda = lambda self, *a, **k: self
+'''
+
+CHECK = '''
+import math, sys
+assert all(math.isfinite(l) for l in losses), losses
+assert losses[19] < losses[0], "O1 training must reduce the loss"
+assert type(amp).__module__ == "mixprec.amp" or amp.__name__ == "mixprec.amp"
+print("EXAMPLE-OK", sys.modules["apex"].__mixprec_alias__)
+'''
+
+
+def run_python(code: str, tmp_path, env_extra: dict | None = None, pythonpath: str | None = None):
+    env = dict(os.environ)
+    env.pop("MIXPREC_APEX_ALIAS", None)
+    env["OMP_NUM_THREADS"] = "1"  # tiny problems: threads only add contention
+    env.update(env_extra or {})
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_env_var_alias_resolves_all_three_imports(tmp_path):
+    r = run_python('''
+        import mixprec, apex
+        from apex import amp
+        from apex.optimizers import FusedAdam
+        import apex.amp
+        assert amp is mixprec.amp and apex.amp is mixprec.amp and apex.optimizers is mixprec.optimizers
+        assert FusedAdam is mixprec.optimizers.FusedAdam
+        assert mixprec.amp.__spec__.name == "mixprec.amp"
+        print("OK")
+    ''', tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr
+
+
+def test_no_alias_without_opt_in_then_enable_and_disable_in_process(tmp_path):
+    r = run_python('''
+        import mixprec
+        import mixprec.apex_alias as alias
+        try:
+            import apex
+            raise SystemExit("apex must be absent before the opt-in")
+        except ModuleNotFoundError:
+            pass
+        assert mixprec.enable_apex_alias() is True and alias.enable_apex_alias() is True
+        from apex import amp
+        assert amp is mixprec.amp
+        alias.disable_apex_alias()
+        try:
+            import apex
+        except ModuleNotFoundError:
+            print("GONE")
+    ''', tmp_path, {"MIXPREC_APEX_ALIAS": "0"})
+    assert r.returncode == 0 and "GONE" in r.stdout, r.stderr
+
+
+def test_a_real_apex_always_wins(tmp_path):
+    real = tmp_path / "site" / "apex"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("REAL = True\n")
+    (real / "amp.py").write_text("REAL_AMP = True\n")
+    r = run_python('''
+        import mixprec.apex_alias as alias
+        assert alias.enable_apex_alias() is False
+        import apex
+        from apex import amp
+        assert apex.REAL and amp.REAL_AMP
+        print("REAL")
+    ''', tmp_path, {"MIXPREC_APEX_ALIAS": "1"}, pythonpath=str(tmp_path / "site"))
+    assert r.returncode == 0 and "REAL" in r.stdout, r.stderr
+
+
+def pth_hook() -> str:
+    """What site-packages' .pth line runs at startup (the env-var path for scripts that never
+    import mixprec)."""
+    from mixprec.apex_alias import PTH_LINE
+
+    return PTH_LINE + "\n"
+
+
+def test_pth_hook_is_free_until_apex_is_imported(tmp_path):
+    r = run_python(pth_hook() + textwrap.dedent('''
+        import sys
+        assert "mixprec" not in sys.modules and "torch" not in sys.modules, "the hook must import nothing"
+        from apex.optimizers import FusedAdam
+        import mixprec
+        assert FusedAdam is mixprec.optimizers.FusedAdam
+        print("LAZY")
+    '''), tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
+    assert r.returncode == 0 and "LAZY" in r.stdout, r.stderr
+    r = run_python(pth_hook() + "import sys\ntry:\n import apex\nexcept ImportError:\n print('OFF', 'mixprec' in sys.modules)",
+                   tmp_path, {"MIXPREC_APEX_ALIAS": "0"})
+    assert r.returncode == 0 and "OFF False" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("opt_in", ["one_line", "env"])
+def test_apex_documented_example_runs_unchanged_on_cpu(opt_in, tmp_path):
+    # The documented one-line opt-in, or the environment variable with the .pth hook.
+    prelude = "import mixprec; mixprec.enable_apex_alias()\n" if opt_in == "one_line" else pth_hook()
+    r = run_python(prelude + CPU_PRELUDE + APEX_EXAMPLE + CHECK, tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
+    assert r.returncode == 0 and "EXAMPLE-OK True" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.cuda
+def test_apex_documented_example_runs_unchanged_on_cuda(tmp_path):
+    r = run_python(pth_hook() + APEX_EXAMPLE + CHECK, tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
+    assert r.returncode == 0 and "EXAMPLE-OK True" in r.stdout, r.stdout + r.stderr
