@@ -14,4 +14,15 @@ cmake -S tests/cpp -B "$CPP_TEST_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCM
 cmake --build "$CPP_TEST_BUILD"
 ctest --test-dir "$CPP_TEST_BUILD" --output-on-failure
 
+# The C++ example and benchmark, each its own CMake project built against the installed package as
+# a LibTorch user's would be. The example trains briefly (on the CPU here) and fails if the loss
+# does not fall; the benchmark is only built (timings come from GPU runs: benchmarks/cpp/adamw_step).
+CPP_EXAMPLE_BUILD=${MIXPREC_CPP_EXAMPLE_BUILD_DIR:-build/examples-cpp}
+cmake -S examples/cpp -B "$CPP_EXAMPLE_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build "$CPP_EXAMPLE_BUILD"
+"$CPP_EXAMPLE_BUILD/train_amp" --steps 60
+CPP_BENCH_BUILD=${MIXPREC_CPP_BENCH_BUILD_DIR:-build/benchmarks-cpp}
+cmake -S benchmarks/cpp -B "$CPP_BENCH_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
+cmake --build "$CPP_BENCH_BUILD"
+
 python -m pytest -q "$@"

@@ -1,0 +1,88 @@
+// Private helpers of the C++ front (csrc/api): typed reads of torch::serialize archives that fail
+// naming the checkpoint field (a corrupt checkpoint never loads half-way), and hyper-parameter checks.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize/archive.h>
+
+#include <tuple>
+
+#include <cmath>
+#include <optional>
+#include <string>
+
+namespace mixprec::detail::api {
+
+inline c10::IValue read_ivalue(torch::serialize::InputArchive& archive, const std::string& key,
+                               const std::string& where) {
+  c10::IValue v;
+  TORCH_CHECK_VALUE(archive.try_read(key, v), where, ": the checkpoint has no '", key, "'");
+  return v;
+}
+
+inline double read_double(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  const c10::IValue v = read_ivalue(archive, key, where);
+  TORCH_CHECK_VALUE(v.isDouble() || v.isInt(), where, ": '", key, "' must be a number, got ", v.tagKind());
+  return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+}
+
+inline int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  const c10::IValue v = read_ivalue(archive, key, where);
+  TORCH_CHECK_VALUE(v.isInt(), where, ": '", key, "' must be an integer, got ", v.tagKind());
+  return v.toInt();
+}
+
+inline bool read_bool(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  const c10::IValue v = read_ivalue(archive, key, where);
+  TORCH_CHECK_VALUE(v.isBool(), where, ": '", key, "' must be a bool, got ", v.tagKind());
+  return v.toBool();
+}
+
+inline std::string read_string(torch::serialize::InputArchive& archive, const std::string& key,
+                               const std::string& where) {
+  const c10::IValue v = read_ivalue(archive, key, where);
+  TORCH_CHECK_VALUE(v.isString(), where, ": '", key, "' must be a string, got ", v.tagKind());
+  return v.toStringRef();
+}
+
+// An optional number: written only when set, so an absent key reads as unset.
+inline std::optional<double> read_optional_double(torch::serialize::InputArchive& archive, const std::string& key,
+                                                  const std::string& where) {
+  c10::IValue v;
+  if (!archive.try_read(key, v)) return std::nullopt;
+  TORCH_CHECK_VALUE(v.isDouble() || v.isInt(), where, ": '", key, "' must be a number, got ", v.tagKind());
+  return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+}
+
+inline void write_optional_double(torch::serialize::OutputArchive& archive, const std::string& key,
+                                  const std::optional<double>& v) {
+  if (v) archive.write(key, c10::IValue(*v));
+}
+
+// Hyper-parameter checks with the Python front's rules; errors name `where` and the field.
+inline void check_finite_nonneg(const std::string& where, const char* name, double v) {
+  TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0, where, ": invalid ", name, " ", v, "; it must be finite and >= 0");
+}
+
+inline void check_betas(const std::string& where, const std::tuple<double, double>& betas) {
+  const double b1 = std::get<0>(betas), b2 = std::get<1>(betas);
+  TORCH_CHECK_VALUE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, where, ": invalid betas (", b1, ", ", b2,
+                    "); each must be in [0, 1)");
+}
+
+inline void write_betas(torch::serialize::OutputArchive& archive, const std::tuple<double, double>& betas) {
+  archive.write("beta1", c10::IValue(std::get<0>(betas)));
+  archive.write("beta2", c10::IValue(std::get<1>(betas)));
+}
+
+inline std::tuple<double, double> read_betas(torch::serialize::InputArchive& archive, const std::string& where) {
+  return std::make_tuple(read_double(archive, "beta1", where), read_double(archive, "beta2", where));
+}
+
+}  // namespace mixprec::detail::api
+
+// Inside an options class's inherit_unset(defaults d, fresh): a field still at its constructor
+// default takes the optimizer's default (torch::optim's rule since torch 2.10).
+#define MIXPREC_INHERIT_UNSET(field) \
+  if (field##_ == fresh.field##_) field##_ = d.field##_

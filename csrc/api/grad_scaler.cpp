@@ -1,0 +1,291 @@
+// mixprec::amp::GradScaler (include/mixprec/amp.h): dynamic loss scaling on mixprec's ops, with the
+// scale on the device and, for mixprec's fused optimizers, the skip decided inside their kernels.
+#include <mixprec/amp.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/utils.h>
+
+#include <cmath>
+#include <utility>
+
+#include <mixprec/ops.h>
+#include <mixprec/optim/fused_optimizer.h>
+
+#include "api/api_util.h"
+
+namespace mixprec::amp {
+
+namespace {
+constexpr const char* kName = "mixprec::amp::GradScaler";
+
+void check_options(const GradScalerOptions& o, const std::string& where) {
+  TORCH_CHECK_VALUE(std::isfinite(o.init_scale()) && o.init_scale() > 0, where, ": init_scale must be finite and > 0, got ",
+                    o.init_scale());
+  TORCH_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1, where,
+                    ": growth_factor must be > 1, got ", o.growth_factor());
+  TORCH_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1, where, ": backoff_factor must be in (0, 1), got ",
+                    o.backoff_factor());
+  TORCH_CHECK_VALUE(o.growth_interval() >= 1, where, ": growth_interval must be >= 1, got ", o.growth_interval());
+  TORCH_CHECK_VALUE(o.hysteresis() >= 1, where, ": hysteresis must be >= 1, got ", o.hysteresis());
+  if (o.min_scale())
+    TORCH_CHECK_VALUE(std::isfinite(*o.min_scale()) && *o.min_scale() >= 0, where,
+                      ": min_scale must be finite and >= 0, got ", *o.min_scale());
+  if (o.max_scale())
+    TORCH_CHECK_VALUE(*o.max_scale() > 0, where, ": max_scale must be > 0, got ", *o.max_scale());
+  if (o.min_scale() && o.max_scale())
+    TORCH_CHECK_VALUE(*o.max_scale() >= *o.min_scale(), where, ": max_scale (", *o.max_scale(),
+                      ") must be >= min_scale (", *o.min_scale(), ")");
+}
+
+bool op_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+}  // namespace
+
+GradScaler::GradScaler(GradScalerOptions options)
+    : options_(std::move(options)), init_scale_(options_.init_scale()), init_hysteresis_tracker_(options_.hysteresis()) {
+  if (options_.enabled()) check_options(options_, kName);
+}
+
+void GradScaler::lazy_init(const c10::Device& device) {
+  if (scale_.defined()) return;
+  const auto on = at::TensorOptions().device(device);
+  scale_ = at::scalar_tensor(init_scale_, on.dtype(at::kFloat));
+  growth_tracker_ = at::scalar_tensor(init_growth_tracker_, on.dtype(at::kInt));
+  hysteresis_tracker_ = at::scalar_tensor(init_hysteresis_tracker_, on.dtype(at::kInt));
+  skipped_ = at::scalar_tensor(init_skipped_, on.dtype(at::kLong));
+}
+
+void GradScaler::check_initialized(const char* what) const {
+  TORCH_CHECK(scale_.defined(), kName, ": ", what,
+              "() before any scale(): scale the loss (scaler.scale(loss).backward()) earlier in the iteration");
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& outputs) {
+  if (!options_.enabled()) return outputs;
+  lazy_init(outputs.device());
+  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+}
+
+std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> out;
+  out.reserve(outputs.size());
+  for (const auto& t : outputs) out.push_back(scale(t));
+  return out;
+}
+
+std::vector<at::Tensor> GradScaler::check_grads(torch::optim::Optimizer& optimizer,
+                                                const std::optional<at::Tensor>& inv_scale) {
+  // Float32/16/bf16 contiguous grads: one mixprec pass per device, whatever the mix of dtypes.
+  // Anything else (float64, non-contiguous, sparse values of other dtypes): torch's own op.
+  struct PerDevice {
+    c10::Device device;
+    std::vector<at::Tensor> ours, others;
+  };
+  std::vector<PerDevice> devices;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      at::Tensor g = p.grad();
+      if (g.is_sparse()) {
+        // Duplicate indices are summed later; summed scaled fp16 values may overflow, so check the
+        // coalesced values (as torch does).
+        if (g.scalar_type() == at::kHalf) {
+          p.mutable_grad() = g.coalesce();
+          g = p.grad();
+        }
+        g = g._values();
+      }
+      PerDevice* d = nullptr;
+      for (auto& e : devices)
+        if (e.device == g.device()) d = &e;
+      if (d == nullptr) {
+        devices.push_back({g.device(), {}, {}});
+        d = &devices.back();
+      }
+      (op_dtype(g.scalar_type()) && g.is_contiguous() ? d->ours : d->others).push_back(g);
+    }
+  }
+  std::vector<at::Tensor> found;
+  torch::NoGradGuard no_grad;
+  for (auto& d : devices) {
+    at::Tensor f = at::scalar_tensor(0.0, at::TensorOptions().dtype(at::kFloat).device(d.device));
+    std::optional<at::Tensor> inv;
+    if (inv_scale) inv = inv_scale->to(d.device, /*non_blocking=*/true);
+    if (!d.ours.empty()) mixprec::non_finite_check_and_unscale_(d.ours, f, inv);
+    if (!d.others.empty()) {
+      const at::Tensor one = inv ? *inv : at::scalar_tensor(1.0, at::TensorOptions().dtype(at::kFloat).device(d.device));
+      at::_amp_foreach_non_finite_check_and_unscale_(d.others, f, one);
+    }
+    found.push_back(f);
+  }
+  return found;
+}
+
+at::Tensor GradScaler::combined_found(const std::vector<at::Tensor>& found) const {
+  TORCH_CHECK(!found.empty(), kName, ": no inf checks were recorded (no parameter of the optimizer has a gradient)");
+  if (found.size() == 1) return found[0].to(scale_.device(), /*non_blocking=*/true);
+  std::vector<at::Tensor> on;
+  for (const auto& f : found) on.push_back(f.to(scale_.device(), /*non_blocking=*/true).reshape({}));
+  return at::stack(on).sum();
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) return;
+  check_initialized("unscale_");
+  PerOptimizer& st = per_optimizer_[&optimizer];
+  TORCH_CHECK(st.stage != Stage::kUnscaled, kName,
+              ": unscale_() has already been called on this optimizer since the last update()");
+  TORCH_CHECK(st.stage != Stage::kStepped, kName, ": unscale_() is being called after step()");
+  // The reciprocal in float64, then rounded, as torch.amp.GradScaler does (bit-equal unscaling).
+  const at::Tensor inv = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  st.found_inf_per_device = check_grads(optimizer, inv);
+  st.stage = Stage::kUnscaled;
+}
+
+at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (!options_.enabled()) return optimizer.step();
+  check_initialized("step");
+  PerOptimizer& st = per_optimizer_[&optimizer];
+  TORCH_CHECK(st.stage != Stage::kStepped, kName, ": step() has already been called since the last update()");
+
+  if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer)) {
+    // The kernel unscales (unless unscale_() already did) and skips on the device.
+    if (st.stage == Stage::kReady) st.found_inf_per_device = check_grads(optimizer, std::nullopt);
+    const at::Tensor found = combined_found(st.found_inf_per_device);
+    optim::GradScaling scaling;
+    if (st.stage == Stage::kReady) scaling.grad_scale = scale_;
+    scaling.found_inf = found;
+    struct Restore {  // the optimizer's own setting comes back, also when step() throws
+      optim::FusedOptimizer* opt;
+      optim::GradScaling previous;
+      ~Restore() { opt->set_grad_scaling(std::move(previous)); }
+    } restore{fused, fused->grad_scaling()};
+    fused->set_grad_scaling(std::move(scaling));
+    at::Tensor result = fused->step();
+    st.stage = Stage::kStepped;
+    return result;
+  }
+
+  if (st.stage == Stage::kReady) unscale_(optimizer);
+  const at::Tensor found = combined_found(st.found_inf_per_device);
+  at::Tensor result;
+  // torch::optim's optimizers keep host state (step counts): skipping means not calling step().
+  if (found.item<float>() == 0.f) result = optimizer.step();
+  st.stage = Stage::kStepped;
+  return result;
+}
+
+void GradScaler::update() {
+  if (!options_.enabled()) return;
+  check_initialized("update");
+  std::vector<at::Tensor> found;
+  for (const auto& kv : per_optimizer_)
+    for (const auto& f : kv.second.found_inf_per_device) found.push_back(f);
+  TORCH_CHECK(!found.empty(), kName, ": no inf checks were recorded prior to update()");
+  mixprec::ScaleUpdateOptions o;
+  o.growth_factor = options_.growth_factor();
+  o.backoff_factor = options_.backoff_factor();
+  o.growth_interval = options_.growth_interval();
+  o.hysteresis = options_.hysteresis();
+  o.min_scale = options_.min_scale().value_or(0.0);
+  o.max_scale = options_.max_scale().value_or(0.0);
+  mixprec::update_scale_(scale_, growth_tracker_, combined_found(found), o, hysteresis_tracker_, skipped_);
+  per_optimizer_.clear();
+}
+
+void GradScaler::update(double new_scale) {
+  if (!options_.enabled()) return;
+  check_initialized("update");
+  TORCH_CHECK_VALUE(std::isfinite(new_scale) && new_scale > 0, kName, ": new_scale must be finite and > 0, got ",
+                    new_scale);
+  std::vector<at::Tensor> found;
+  for (const auto& kv : per_optimizer_)
+    for (const auto& f : kv.second.found_inf_per_device) found.push_back(f);
+  scale_.fill_(new_scale);
+  if (!found.empty()) skipped_.add_(combined_found(found).ne(0).to(at::kLong));
+  per_optimizer_.clear();
+}
+
+double GradScaler::get_scale() const {
+  if (!options_.enabled()) return 1.0;
+  return scale_.defined() ? scale_.item<double>() : init_scale_;
+}
+
+int64_t GradScaler::skipped_steps() const {
+  if (!options_.enabled()) return 0;
+  return skipped_.defined() ? skipped_.item<int64_t>() : init_skipped_;
+}
+
+int64_t GradScaler::growth_tracker() const {
+  if (!options_.enabled()) return 0;
+  return growth_tracker_.defined() ? growth_tracker_.item<int64_t>() : init_growth_tracker_;
+}
+
+void GradScaler::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("enabled", c10::IValue(options_.enabled()));
+  if (!options_.enabled()) return;
+  TORCH_CHECK(per_optimizer_.empty(), kName,
+              ": save() only at the start of an iteration or after update(), not between step() and update()");
+  archive.write("scale", c10::IValue(get_scale()));
+  archive.write("growth_factor", c10::IValue(options_.growth_factor()));
+  archive.write("backoff_factor", c10::IValue(options_.backoff_factor()));
+  archive.write("growth_interval", c10::IValue(options_.growth_interval()));
+  archive.write("_growth_tracker", c10::IValue(growth_tracker()));
+  archive.write("hysteresis", c10::IValue(options_.hysteresis()));
+  archive.write("_hysteresis_tracker",
+                c10::IValue(hysteresis_tracker_.defined() ? hysteresis_tracker_.item<int64_t>() : init_hysteresis_tracker_));
+  detail::api::write_optional_double(archive, "min_scale", options_.min_scale());
+  detail::api::write_optional_double(archive, "max_scale", options_.max_scale());
+  archive.write("_skipped_steps", c10::IValue(skipped_steps()));
+}
+
+void GradScaler::load(torch::serialize::InputArchive& archive) {
+  using namespace mixprec::detail::api;
+  if (!options_.enabled()) return;
+  const std::string where = std::string(kName) + ".load";
+  c10::IValue enabled;
+  TORCH_CHECK_VALUE(!archive.try_read("enabled", enabled) || !enabled.isBool() || enabled.toBool(), where,
+                    ": the checkpoint was saved from a disabled GradScaler and holds no scale");
+  // Read and check everything, then change anything.
+  GradScalerOptions o = options_;
+  const double scale = read_double(archive, "scale", where);
+  o.growth_factor(read_double(archive, "growth_factor", where));
+  o.backoff_factor(read_double(archive, "backoff_factor", where));
+  o.growth_interval(read_int(archive, "growth_interval", where));
+  const int64_t growth = read_int(archive, "_growth_tracker", where);
+  o.hysteresis(read_int(archive, "hysteresis", where));
+  const int64_t hysteresis_tracker = read_int(archive, "_hysteresis_tracker", where);
+  o.min_scale(read_optional_double(archive, "min_scale", where));
+  o.max_scale(read_optional_double(archive, "max_scale", where));
+  const int64_t skipped = read_int(archive, "_skipped_steps", where);
+  o.init_scale(scale);
+  check_options(o, where);
+  TORCH_CHECK_VALUE(growth >= 0, where, ": '_growth_tracker' must be >= 0, got ", growth);
+  TORCH_CHECK_VALUE(hysteresis_tracker >= 0, where, ": '_hysteresis_tracker' must be >= 0, got ", hysteresis_tracker);
+  TORCH_CHECK_VALUE(skipped >= 0, where, ": '_skipped_steps' must be >= 0, got ", skipped);
+
+  o.init_scale(options_.init_scale());  // the constructor's value stays what it was
+  options_ = o;
+  init_scale_ = scale;
+  init_growth_tracker_ = growth;
+  init_hysteresis_tracker_ = hysteresis_tracker;
+  init_skipped_ = skipped;
+  if (scale_.defined()) {  // fills: no sync
+    scale_.fill_(scale);
+    growth_tracker_.fill_(growth);
+    hysteresis_tracker_.fill_(hysteresis_tracker);
+    skipped_.fill_(skipped);
+  }
+}
+
+torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const GradScaler& scaler) {
+  scaler.save(archive);
+  return archive;
+}
+
+torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, GradScaler& scaler) {
+  scaler.load(archive);
+  return archive;
+}
+
+}  // namespace mixprec::amp

@@ -1,0 +1,168 @@
+// The base of mixprec's fused optimizers for LibTorch: a torch::optim::Optimizer whose step is one
+// mixprec op per param group, with device step counts, fp32 master weights, in-kernel loss scaling
+// and validated checkpoints; the C++ twin of python/mixprec/optimizers/_base.py.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/arg.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <mixprec/ops.h>
+
+namespace mixprec::optim {
+
+// Per-parameter state of a fused optimizer: the fp32 master (with master weights, for non-fp32
+// params) and the family's tensors. slots() lists them under the Python front's state_dict keys.
+class FusedParamState : public torch::optim::OptimizerParamState {
+ public:
+  TORCH_ARG(at::Tensor, master_param);
+
+ public:
+  using Slot = std::pair<const char*, at::Tensor*>;
+  // Every state tensor with its checkpoint key, master_param first.
+  virtual std::vector<Slot> slots() = 0;
+  // The defined state tensors, by key.
+  std::vector<std::pair<std::string, at::Tensor>> defined_tensors() const;
+  // Writes the defined tensors; reads every known key that is present (unknown keys are ignored
+  // here: FusedOptimizer::load checks them).
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  void serialize(torch::serialize::InputArchive& archive) override;
+};
+
+template <class Derived>
+class FusedCloneableParamState : public FusedParamState {
+ public:
+  std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
+    return std::make_unique<Derived>(static_cast<const Derived&>(*this));
+  }
+};
+
+// What the base needs from every family's options class (FusedAdamOptions, ...): the learning
+// rate (get_lr/set_lr, so torch::optim's LR schedulers work), master weights, validation and
+// serialization. Options are per param group, as in torch::optim.
+class FusedOptions : public torch::optim::OptimizerOptions {
+ public:
+  virtual bool uses_master_weights() const = 0;
+  virtual void set_master_weights(bool on) = 0;
+  // Throws a ValueError naming `where` and the field when a hyper-parameter is out of range.
+  virtual void check(const std::string& where) const = 0;
+  // A param group's options inherit every field still at its constructor default (`fresh`) from
+  // the optimizer's `defaults`: torch::optim's rule for its own optimizers from torch 2.10 on
+  // (and Python's, where a group names only what differs). `defaults` and `fresh` are of this class.
+  virtual void inherit_unset(const FusedOptions& defaults, const FusedOptions& fresh) = 0;
+};
+
+// The one-element float32 device scalars a GradScaler hands to a fused step.
+struct GradScaling {
+  std::optional<at::Tensor> grad_scale;  // grads are divided by it inside the kernel
+  std::optional<at::Tensor> found_inf;   // non-zero: the step changes nothing, on the device
+};
+
+class FusedOptimizer : public torch::optim::Optimizer {
+ public:
+  // Runs `closure` (with grad enabled) if given, then one fused op per param group over the
+  // params that have a gradient. Nothing here waits on the device.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  // Adds a group; fields of its options left at their constructor defaults come from the
+  // optimizer's defaults (see FusedOptions::inherit_unset). Hides torch's non-virtual
+  // add_param_group, which, called through an Optimizer&, would give the group the defaults only.
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
+
+  // Loss-scaling hand-off (what torch.amp.GradScaler does with `optimizer.grad_scale` and
+  // `optimizer.found_inf` for fused optimizers): used by every following step() until changed.
+  // mixprec::amp::GradScaler sets and clears it around its step().
+  void set_grad_scaling(GradScaling scaling) { scaling_ = std::move(scaling); }
+  const GradScaling& grad_scaling() const noexcept { return scaling_; }
+
+  // Checkpoints: options, per-parameter state (masters included) and step counts of every group.
+  // load() validates all of it against this optimizer's params before changing anything.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  // "mixprec::optim::FusedAdam" etc., the prefix of every error message.
+  const std::string& name() const noexcept { return name_; }
+
+  // The group's step count: a one-element float32 tensor on the group's device, incremented by
+  // the op unless the step is skipped (undefined before the group's first step).
+  at::Tensor step_count_tensor(size_t group) const;
+  // The same as a number (0 before the first step). Reads the device: synchronizes.
+  int64_t step_count(size_t group) const;
+
+  // Every parameter's fp32 master: the master when it has one, else the parameter itself.
+  std::vector<at::Tensor> master_params() const;
+  // Turns master weights on or off for the defaults and every group.
+  void set_master_weights(bool on);
+  // Seeds `param`'s master with `master` (float32, same shape): for callers that hold fp32
+  // values more exact than the param's (mixprec::amp::initialize before it casts the model).
+  void set_master(const at::Tensor& param, const at::Tensor& master);
+  // Creates every missing state tensor now, as the first step would (moments, masters).
+  void init_state();
+
+ protected:
+  FusedOptimizer(std::string name, const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                 std::unique_ptr<FusedOptions> defaults);
+
+  // ---- what each family implements ----
+  virtual std::unique_ptr<FusedParamState> make_state() const = 0;
+  virtual std::unique_ptr<FusedOptions> make_options() const = 0;  // defaults, for load()
+  virtual const FusedOptions* cast_options(const torch::optim::OptimizerOptions& o) const = 0;
+  // Creates the family's missing state tensors of `p` (the base makes the master).
+  virtual void init_param_state(const at::Tensor& p, const FusedOptions& options, FusedParamState& state) = 0;
+  // Runs the op for group `index` over `params` (all with grads, on one device).
+  virtual void step_group(size_t index, const std::vector<at::Tensor>& params, const FusedOptions& options,
+                          const StepArgs& args) = 0;
+  // Around the group loop of step(): LAMB computes its global gradient norm here.
+  virtual void begin_step() {}
+  virtual void end_step() noexcept {}
+  // Checks a loaded state tensor beyond shape (dtype rules of the family); may convert it.
+  virtual at::Tensor checked_state_tensor(const std::string& where, const std::string& key, const at::Tensor& value,
+                                          const at::Tensor& param, const FusedOptions& options) const;
+  // Checks a loaded group tensor other than "step" (NovoGrad's exp_avg_sq); returns it converted.
+  virtual at::Tensor checked_group_tensor(const std::string& where, const std::string& key, const at::Tensor& value,
+                                          const torch::optim::OptimizerParamGroup& group) const;
+
+  // ---- helpers for families ----
+  // A clone of a group's `given` options completed from the defaults and checked.
+  std::unique_ptr<torch::optim::OptimizerOptions> completed_options(const torch::optim::OptimizerOptions& given,
+                                                                    size_t group) const;
+  // Completes every group's options from the defaults and checks them all: each family's
+  // constructor calls it last (virtual calls work only once the family's object exists).
+  void finish_construction();
+  const FusedOptions& options_of(size_t group) const;
+  FusedParamState& state_of(const at::Tensor& p);
+  template <class State>
+  State& state_as(const at::Tensor& p) {
+    return static_cast<State&>(state_of(p));
+  }
+  // The masters of `params` for the op: [] without master weights, else one fp32 tensor each.
+  std::vector<at::Tensor> masters(const std::vector<at::Tensor>& params, const FusedOptions& options);
+  // Group tensors beside the step count ("exp_avg_sq" for NovoGrad), created by families.
+  at::Tensor& group_tensor(size_t group, const std::string& key);
+  // Loss scaling as device scalars on `device` (copies made without a host sync).
+  GradScaling scaling_on(const at::Device& device) const;
+
+ private:
+  at::Tensor& step_tensor_for(size_t group, const at::Device& device);
+  // Creates `p`'s state object, its master (with master weights) and the family's tensors.
+  void ensure_state(const at::Tensor& p, const FusedOptions& options);
+  void sync_group_slots() const;
+
+  std::string name_;
+  GradScaling scaling_;
+  // The options groups were given, kept from the base constructor to finish_construction().
+  std::vector<std::pair<size_t, std::unique_ptr<torch::optim::OptimizerOptions>>> pending_options_;
+  // Per param group (same index as param_groups()): "step" and family tensors. Groups appended
+  // through add_param_group get their slot lazily.
+  mutable std::vector<std::map<std::string, at::Tensor>> group_tensors_;
+};
+
+}  // namespace mixprec::optim
