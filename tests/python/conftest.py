@@ -233,7 +233,12 @@ def peer_bound(dtype: torch.dtype, peer: torch.Tensor, reference: torch.Tensor, 
     same precision (``peer``), and never tighter than the fp32 bound ``floor``."""
     if dtype == torch.float32:
         return floor
-    return max(2.0 * rel_err(peer, reference), floor)
+    peer_err = rel_err(peer, reference)
+    if not math.isfinite(peer_err):
+        # Plain PyTorch overflowed in this precision (e.g. grad*grad past fp16's 65504), so it
+        # sets no bound; mixprec computes in fp32 and must stay within a few ulps of the dtype.
+        return max(4.0 * torch.finfo(dtype).eps, floor)
+    return max(2.0 * peer_err, floor)
 
 
 # ---- errors -------------------------------------------------------------------------------------
