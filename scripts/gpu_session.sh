@@ -2,7 +2,7 @@
 # One batched session on a GPU machine (the H200 device tool): build for one architecture, run
 # every test including the CUDA ones, the benchmarks and a compute-sanitizer pass, logging under
 # $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
-#   usage: scripts/gpu_session.sh [build] [tests] [bench] [sanitize] [cpp]   (default: all)
+#   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize]   (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -26,14 +26,21 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, print the tail, keep going on 
 
 if [[ $steps == *build* ]]; then
   export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
-  run build $PY -m pip install --no-build-isolation --no-deps -v -C build-dir=/tmp/mixprec-build \
+  run build $PY -m pip install --no-build-isolation --no-deps -v -C build-dir=build/gpu-sm$ARCH \
     -C cmake.define.MIXPREC_CUDA=ON -C "cmake.define.MIXPREC_CUDA_ARCHITECTURES=$ARCH" . || exit 1
 fi
 if [[ $steps == *cpp* ]]; then
   prefix=$(cd /tmp && $PY -c 'import mixprec, torch; print(mixprec.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')
+  # The GPU machine has no GoogleTest package: build it from a carried source tree when present
+  # (.gtest-src, a copy of Debian's /usr/src/googletest; ignored by git, carried by the device tool).
+  gtest=""; [ -d .gtest-src ] && gtest="-DMIXPREC_GTEST_SOURCE_DIR=$PWD/.gtest-src"
   run cpp bash -c "cmake -S tests/cpp -B /tmp/mixprec-cpptests -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DCMAKE_PREFIX_PATH='$prefix' && cmake --build /tmp/mixprec-cpptests && \
+    -DCMAKE_PREFIX_PATH='$prefix' $gtest && cmake --build /tmp/mixprec-cpptests && \
     ctest --test-dir /tmp/mixprec-cpptests --output-on-failure"
+  run cppexample bash -c "cmake -S examples/cpp -B /tmp/mixprec-example -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_PREFIX_PATH='$prefix' && cmake --build /tmp/mixprec-example && /tmp/mixprec-example/train_amp && \
+    cmake -S benchmarks/cpp -B /tmp/mixprec-cppbench -G Ninja -DCMAKE_PREFIX_PATH='$prefix' && \
+    cmake --build /tmp/mixprec-cppbench"
 fi
 if [[ $steps == *tests* ]]; then
   run tests $PY -m pytest ${TEST_PATHS:-tests/python} -v -rs --timeout=900 -p no:cacheprovider ${PYTEST_ARGS:-}
@@ -41,7 +48,8 @@ fi
 if [[ $steps == *bench* ]]; then
   # One log for both benchmarks: the device tool returns at most 8 files.
   run bench bash -c "$PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops.json && \
-    $PY benchmarks/optimizer_step.py --out $OUT/optimizer_step.json ${BENCH_OPT_ARGS:-}"
+    $PY benchmarks/optimizer_step.py --out $OUT/optimizer_step.json ${BENCH_OPT_ARGS:-}; \
+    if [ -x /tmp/mixprec-cppbench/adamw_step ]; then /tmp/mixprec-cppbench/adamw_step && /tmp/mixprec-cppbench/adamw_step --o2; fi"
 fi
 if [[ $steps == *sanitize* ]]; then
   run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \

@@ -11,6 +11,7 @@ import torch
 
 import mixprec
 from conftest import (
+    torch_grad_scaler,
     CHUNK,
     NON_FINITE,
     assert_bitwise_equal,
@@ -294,7 +295,7 @@ def test_grad_scaler_drives_fused_path(device, dtype, master_weights, where, val
         ps = [torch.nn.Parameter(x.to(dtype).to(device, copy=True)) for x in inits[0]]
         pairs.append((ps, FusedAdagrad([dict(params=ps, **hyper)], master_weights=master_weights)))
     (pa, opt_a), (pb, opt_b) = pairs
-    scaler = torch.amp.GradScaler(device, init_scale=scale0, growth_interval=1000)
+    scaler = torch_grad_scaler(device, dtype, init_scale=scale0, growth_interval=1000)
     for k in range(steps):
         cs = [c.to(dtype).to(device) for c in coefs[k][0]]  # d loss / d p, exact in `dtype`
         opt_a.zero_grad()

@@ -10,6 +10,7 @@ import torch
 
 import mixprec
 from conftest import (
+    torch_grad_scaler,
     CHUNK,
     NON_FINITE,
     assert_bitwise_equal,
@@ -380,7 +381,7 @@ def test_grad_scaler_drives_fused_path(device, dtype, master_weights, where, val
     hyper = dict(HYPER, **CONFIGS["adamw_amsgrad"])
     inits, coefs = make_problem([SHAPES], gen, steps=steps)
     (pa, opt_a), (pb, opt_b) = _adam_pair(inits[0], dtype, device, master_weights, hyper)
-    scaler = torch.amp.GradScaler(device, init_scale=scale0, growth_interval=1000)
+    scaler = torch_grad_scaler(device, dtype, init_scale=scale0, growth_interval=1000)
     for k in range(steps):
         cs = [c.to(dtype).to(device) for c in coefs[k][0]]  # d loss / d p, exact in `dtype`
         opt_a.zero_grad()

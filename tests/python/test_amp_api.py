@@ -189,8 +189,11 @@ def test_cast_model_outputs_and_o2_input_casts(gen):
     assert model(torch.randn(4, 8)).dtype == torch.float16
     assert model({"x": torch.randn(4, 8)}["x"]).dtype == torch.float16
     model2, opt2 = model_and_opt(gen)
-    model2, opt2 = amp.initialize(model2, opt2, opt_level="O1", cast_model_outputs=torch.float32, verbosity=0)
-    assert model2(torch.randn(4, 8)).dtype == torch.float32
+    model2, opt2 = amp.initialize(model2, opt2, opt_level="O1", cast_model_outputs=torch.bfloat16, verbosity=0)
+    assert model2(torch.randn(4, 8)).dtype == torch.bfloat16
+    model3, opt3 = model_and_opt(gen)
+    model3, opt3 = amp.initialize(model3, opt3, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    assert model3(torch.randn(4, 8)).dtype == torch.float32, "O1's default: outputs in fp32 for the loss"
 
 
 def test_register_functions_wrap_once_and_validate():
@@ -371,7 +374,7 @@ def test_cuda_amp_steps_never_sync(level, kind, gen):
         with amp.scale_loss(model(x).float().pow(2).mean(), opts) as scaled:
             scaled.backward()
             if poison is not None:
-                model[0].weight.grad.view(-1)[1] = poison
+                model[0].weight.grad.view(-1)[1].fill_(poison)  # no host-to-device copy, no sync
         for o in opts:
             o.step()
 

@@ -37,7 +37,7 @@ def make_data(gen, device, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]
 def poison_grad(model: torch.nn.Module, value: float, index: int) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     g = params[index % len(params)].grad
-    g.view(-1)[index % g.numel()] = value
+    g.view(-1)[index % g.numel()].fill_(value)  # fill_ takes the scalar as a kernel argument: no copy, no sync
 
 
 OPTIMIZERS = {

@@ -12,6 +12,7 @@ from torch.optim.optimizer import required
 
 import mixprec
 from conftest import (
+    torch_grad_scaler,
     CHUNK,
     NON_FINITE,
     assert_bitwise_equal,
@@ -325,7 +326,7 @@ def test_grad_scaler_drives_fused_path(device, dtype, master_weights, bad_step, 
         ps = [torch.nn.Parameter(x.to(dtype).to(device, copy=True)) for x in inits[0]]
         pairs.append((ps, FusedSGD([dict(params=ps, **hyper)], master_weights=master_weights)))
     (pa, opt_a), (pb, opt_b) = pairs
-    scaler = torch.amp.GradScaler(device, init_scale=scale0, growth_interval=1000)
+    scaler = torch_grad_scaler(device, dtype, init_scale=scale0, growth_interval=1000)
     for k in range(steps):
         cs = [c.to(dtype).to(device) for c in coefs[k][0]]  # d loss / d p, exact in `dtype`
         opt_a.zero_grad()

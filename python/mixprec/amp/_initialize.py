@@ -54,9 +54,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     - ``O0``: fp32 throughout (a baseline).
     - ``O1``: fp32 weights; the model's forward runs under ``torch.autocast`` (ops in fp16/bf16
       where safe, fp32 where not; torch's functions are not patched); dynamic loss scaling.
-      Code outside the forward (the loss) runs as written, on the forward's fp16/bf16 outputs:
-      pass ``cast_model_outputs=torch.float32`` to compute the loss in fp32, as Apex's patched
-      loss functions did.
+      The forward's floating outputs are cast to fp32, so that the loss, computed outside the
+      forward, runs in fp32 as Apex's patched loss functions made it (and a loss such as
+      ``mse_loss(fp16 output, fp32 target)``, which fails in backward on CUDA, works); pass
+      ``cast_model_outputs=torch.float16`` (or bfloat16) to keep them low.
     - ``O2``: the model cast to fp16/bf16 except BatchNorm; fp32 master weights (a mixprec fused
       optimizer keeps them itself and writes the model copy in its kernel; any other optimizer
       gets Apex's masters in its param groups, copied to the model after each step); inputs cast
@@ -191,7 +192,7 @@ def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_los
     output_dtype = cast_model_outputs
     for model in models:
         if props.patch_torch_functions:
-            patch_forward(model, autocast_dtype=low, output_dtype=output_dtype)
+            patch_forward(model, autocast_dtype=low, output_dtype=output_dtype or torch.float32)
         elif props.cast_model_type:
             patch_forward(model, input_dtype=props.cast_model_type, output_dtype=output_dtype or torch.float32)
         elif output_dtype is not None:
