@@ -307,7 +307,9 @@ def test_ddp_after_initialize_matches_plain_run(gen, tmp_path):
             model = make_model(torch.Generator().manual_seed(0), "cpu")
             model.load_state_dict(model0.state_dict())
             opt = FusedAdam(model.parameters(), lr=1e-2)
-            model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+            # Outputs kept in bf16, so that their dtype shows the forward ran under autocast.
+            model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16,
+                                        cast_model_outputs=torch.bfloat16, verbosity=0)
             runner = torch.nn.parallel.DistributedDataParallel(model) if use_ddp else model
             for x in data:
                 opt.zero_grad()
@@ -329,7 +331,8 @@ def test_torch_compile_after_initialize(gen):
     x = torch.randn(16, 8)
     compiled = torch.compile(model, backend="eager")
     out = compiled(x)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == torch.float32  # O1 casts outputs to fp32 for the loss
+    assert torch.equal(out, out.bfloat16().float()), "the compiled forward ran under autocast"
     assert torch.equal(out, model(x))
 
 
