@@ -1,0 +1,178 @@
+"""The training variants of e2e_gpt2.py: torch's fp32 / autocast peers and mixprec's amp levels,
+GradScaler and FusedAdam, each a Trainer that runs one step with its phases marked."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+from e2e_phases import PhaseClock
+from gpt2_model import GPT, param_groups
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hyper:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+class Trainer:
+    """One variant's model and optimizer. step() marks every phase of PhaseClock and returns the
+    loss (a device tensor: reading it would sync); eval_loss() runs the forward without grads."""
+
+    def __init__(self, model: GPT, autocast: Optional[torch.dtype], device: torch.device):
+        self.model, self.device = model, device
+        self.autocast = autocast
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    def _ctx(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, clock: PhaseClock) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self._ctx():
+            return self.model(x, y).float()
+
+    def applied_steps(self) -> int:
+        """Optimizer updates actually applied (a step skipped for inf/NaN gradients does not count);
+        both torch's fused AdamW and mixprec's FusedAdam keep the count on the device. Syncs."""
+        group = self.optimizer.param_groups[0]
+        step = group.get("step")  # mixprec: per group
+        if step is None:
+            step = self.optimizer.state[group["params"][0]]["step"]  # torch: per param
+        return int(step.item() if isinstance(step, torch.Tensor) else step)
+
+    def loss_scale(self) -> Optional[float]:
+        return None
+
+
+class AutocastTrainer(Trainer):
+    """Plain fp32 (autocast None) or torch.autocast, with any optimizer and, for fp16, a GradScaler
+    (torch's or mixprec's: both hand the scale to a fused optimizer's kernel)."""
+
+    def __init__(self, model, autocast, device, optimizer, scaler=None):
+        super().__init__(model, autocast, device)
+        self.optimizer, self.scaler = optimizer, scaler
+
+    def step(self, x, y, clock):
+        with self._ctx():
+            loss = self.model(x, y)
+        clock.mark("forward")
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        clock.mark("backward")
+        clock.mark("loss_scale")  # the scalers check inside step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        clock.mark("optimizer")
+        return loss.detach()
+
+    def loss_scale(self):
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+
+class AmpTrainer(Trainer):
+    """mixprec.amp.initialize at an opt level (Apex's API): under O2 the model is cast to the low
+    dtype and FusedAdam keeps the fp32 masters, updating both in one kernel."""
+
+    def __init__(self, model, device, optimizer, opt_level: str, dtype: torch.dtype):
+        from mixprec import amp
+
+        self.amp = amp
+        # The model's own forward casts (O1 autocast, O2 input/output casts) are amp's, not ours.
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0)
+        super().__init__(model, None, device)
+        self.optimizer = optimizer
+
+    def step(self, x, y, clock):
+        loss = self.model(x, y)
+        clock.mark("forward")
+        with self.amp.scale_loss(loss, self.optimizer) as scaled:
+            scaled.backward()
+            clock.mark("backward")
+        clock.mark("loss_scale")  # scale_loss's exit: the non-finite check and the scale update
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        clock.mark("optimizer")
+        return loss.detach()
+
+    def loss_scale(self):
+        return self.amp.loss_scale()
+
+
+# ---- the variants ------------------------------------------------------------------------------
+
+
+def _torch_adamw(model, h: Hyper):
+    return torch.optim.AdamW(param_groups(model, h.weight_decay), lr=h.lr, betas=h.betas, eps=h.eps, fused=True)
+
+
+def _fused_adam(model, h: Hyper):
+    from mixprec.optimizers import FusedAdam
+
+    return FusedAdam(param_groups(model, h.weight_decay), lr=h.lr, betas=h.betas, eps=h.eps, adam_w_mode=True)
+
+
+def _torch_scaler(device):
+    return torch.amp.GradScaler(device.type)
+
+
+def _mixprec_scaler(device):
+    import mixprec
+
+    return mixprec.GradScaler(device.type)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    dtype: str  # fp32, fp16, bf16
+    peer: Optional[str]  # the torch variant of the same dtype its ratios are taken against
+    about: str
+    make: Callable[[GPT, torch.device, Hyper], Trainer]
+
+
+def _autocast(dtype: Optional[str], opt, scaler=None):
+    def make(model, device, h):
+        return AutocastTrainer(model, DTYPES[dtype] if dtype else None, device, opt(model, h),
+                               scaler(device) if scaler else None)
+    return make
+
+
+def _amp(level: str, dtype: str):
+    def make(model, device, h):
+        return AmpTrainer(model, device, _fused_adam(model, h), level, DTYPES[dtype])
+    return make
+
+
+VARIANTS = {v.name: v for v in (
+    Variant("fp32", "fp32", None, "fp32, TF32 matmuls; torch AdamW(fused=True)", _autocast(None, _torch_adamw)),
+    Variant("torch-fp16", "fp16", None, "torch.autocast fp16 + torch GradScaler + AdamW(fused=True)",
+            _autocast("fp16", _torch_adamw, _torch_scaler)),
+    Variant("torch-bf16", "bf16", None, "torch.autocast bf16 + AdamW(fused=True)", _autocast("bf16", _torch_adamw)),
+    Variant("mixprec-o2-fp16", "fp16", "torch-fp16", "mixprec amp O2 fp16, FusedAdam(adam_w_mode) with fp32 masters",
+            _amp("O2", "fp16")),
+    Variant("mixprec-o2-bf16", "bf16", "torch-bf16", "mixprec amp O2 bf16, FusedAdam(adam_w_mode) with fp32 masters",
+            _amp("O2", "bf16")),
+    Variant("mixprec-o1-fp16", "fp16", "torch-fp16", "mixprec amp O1 fp16 (autocast), FusedAdam", _amp("O1", "fp16")),
+    Variant("mixprec-o1-bf16", "bf16", "torch-bf16", "mixprec amp O1 bf16 (autocast), FusedAdam", _amp("O1", "bf16")),
+    Variant("mixprec-scaler-fp16", "fp16", "torch-fp16", "torch.autocast fp16 + mixprec GradScaler + FusedAdam",
+            _autocast("fp16", _fused_adam, _mixprec_scaler)),
+    Variant("mixprec-adam-bf16", "bf16", "torch-bf16", "torch.autocast bf16 + mixprec FusedAdam",
+            _autocast("bf16", _fused_adam)),
+)}

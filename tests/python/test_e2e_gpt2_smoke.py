@@ -1,0 +1,150 @@
+# Smoke tests of benchmarks/e2e_gpt2.py (the end-to-end GPT-2 benchmark): the script runs on the
+# tiny model, writes JSON with finite, comparable losses; the profiler attribution and the
+# command-line checks behave. On a GPU the CUDA path (events, memory stats, profiler) runs too.
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+sys.path.insert(0, os.path.abspath(BENCH))
+
+import e2e_gpt2  # noqa: E402
+from e2e_phases import PHASES, attribute, kernel_kind  # noqa: E402
+
+
+def run_script(tmp_path, *args: str) -> dict:
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, os.path.join(BENCH, "e2e_gpt2.py"), "--tiny", "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout}\n{proc.stderr}"
+    with open(out) as f:
+        return json.load(f)
+
+
+def check_rows(data: dict, variants: list[str], steps: int) -> dict:
+    rows = {r["variant"]: r for r in data["results"]}
+    assert list(rows) == variants
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r["status"])
+        assert r["steps"] == steps
+        assert math.isfinite(r["loss"]) and math.isfinite(r["train_loss"]), name
+        assert all(math.isfinite(v) for _, v in r["train_losses"]), name
+        assert r["ms"] > 0 and r["tok_s"] > 0 and set(r["phases_ms"]) == set(PHASES)
+        assert r["skipped_steps"] == 0, name
+    # Same start (weights built from one seed) and losses that agree across precisions.
+    assert len({r["init_checksum"] for r in rows.values()}) == 1
+    losses = [r["loss"] for r in rows.values()]
+    assert max(losses) - min(losses) < 0.01 * min(losses), losses
+    return rows
+
+
+def test_cpu_tiny_bf16_variants(tmp_path):
+    variants = ["torch-bf16", "mixprec-o2-bf16", "mixprec-adam-bf16"]
+    data = run_script(tmp_path, "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants", ",".join(variants))
+    rows = check_rows(data, variants, steps=3)
+    assert rows["mixprec-o2-bf16"]["peer"] == "torch-bf16"
+    assert "vs_peer" in rows["mixprec-o2-bf16"] and "loss_vs_peer_pct" in rows["mixprec-o2-bf16"]
+    assert data["environment"]["device"] == "cpu"
+
+
+def test_loss_falls_on_the_synthetic_language(tmp_path):
+    # The data must be learnable, or "loss after N steps" would compare noise.
+    data = run_script(tmp_path, "--device", "cpu", "--long-run", "30", "--warmup", "1", "--variants", "fp32",
+                      "--lr", "1e-3")
+    r = check_rows(data, ["fp32"], steps=30)["fp32"]
+    first = r["train_losses"][0][1]
+    assert first > math.log(512) * 0.9  # near uniform at the start
+    assert r["loss"] < first - 1.0, r["train_losses"]
+
+
+def test_a_failing_variant_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    def broken(model, device, hyper):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    bad = dataclasses.replace(e2e_gpt2.VARIANTS["mixprec-adam-bf16"], make=broken)
+    monkeypatch.setitem(e2e_gpt2.VARIANTS, "mixprec-adam-bf16", bad)
+    out = tmp_path / "e2e.json"
+    e2e_gpt2.main(["--device", "cpu", "--tiny", "--steps", "1", "--warmup", "1", "--variants",
+                   "mixprec-adam-bf16,torch-bf16", "--out", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["mixprec-adam-bf16"]["status"] == "error: OutOfMemoryError: CUDA out of memory (simulated)"
+    assert rows["torch-bf16"]["status"] == "ok" and math.isfinite(rows["torch-bf16"]["loss"])
+    assert "1 variant(s) did not complete" in capsys.readouterr().out
+
+
+def test_attribution_by_phase_range():
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, start, end, device, annotation=False):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=annotation)
+
+    events = [
+        ev("e2e::forward", 0, 100, cpu), ev("e2e::backward", 100, 300, cpu),
+        ev("e2e::loss_scale", 300, 310, cpu), ev("e2e::optimizer", 310, 400, cpu),
+        ev("e2e::forward", 0, 100, cuda, annotation=True),  # the GPU copy of a range: not work
+        ev("ampere_sgemm_128x64_nn", 10, 30, cuda), ev("flash_fwd_kernel", 40, 50, cuda),
+        ev("sm90_xmma_gemm_bf16", 120, 200, cuda),
+        ev("void mixprec::kernels::multi_tensor_kernel<1, mixprec::kernels::UnscaleOp>", 302, 306, cuda),
+        ev("void mixprec::kernels::multi_tensor_kernel<5, mixprec::kernels::AdamOp<float>>", 320, 380, cuda),
+        ev("aten::addmm", 10, 30, cpu),  # host op: not device time
+        ev("Memcpy DtoH", 500, 502, cuda),  # outside every range
+    ]
+    s = attribute(events, n_steps=2)
+    assert s["phase_busy_ms"] == pytest.approx({"forward": 0.015, "backward": 0.04, "loss_scale": 0.002,
+                                                "optimizer": 0.03, "unattributed": 0.001})
+    assert s["busy_ms"] == pytest.approx(0.088)
+    assert s["kinds_ms"] == pytest.approx({"matmul": 0.05, "attention": 0.005, "loss scaling": 0.002,
+                                           "optimizer": 0.03, "memcpy/memset": 0.001})
+    assert [n for n, _ in s["top_kernels_ms"][:2]] == ["sm90_xmma_gemm_bf16", events[9].name]
+    assert s["top_kernels_ms"][0][1] == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", "optimizer"),
+    ("void at::native::amp_update_scale_cuda_kernel(float*, int*, float const*)", "loss scaling"),
+    ("void at::native::vectorized_layer_norm_kernel<c10::Half, float>", "layernorm"),
+    ("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>", "elementwise/other"),
+    ("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
+])
+def test_kernel_kinds(name, kind):
+    assert kernel_kind(name) == kind
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variants", "fp32,nope"], "unknown variant"),
+    (["--sizes", "huge"], "unknown size"),
+    (["--tiny", "--sizes", "large"], "--tiny runs the tiny model only"),
+    (["--variants", "fp32,fp32"], "listed twice"),
+    (["--long-run", "3", "--warmup", "5"], "must exceed --warmup"),
+    (["--steps", "0"], "--steps"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        e2e_gpt2.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_cuda_tiny_every_variant_with_profile(tmp_path):
+    # The CUDA path end to end in seconds: events, peak memory, the profiler pass, every variant.
+    variants = list(e2e_gpt2.VARIANTS)
+    data = run_script(tmp_path, "--device", "cuda", "--steps", "3", "--warmup", "2", "--profile",
+                      "--profile-steps", "2")
+    rows = check_rows(data, variants, steps=5)
+    for name, r in rows.items():
+        assert r["peak_GiB"] > 0 and r["peak_GiB"] >= r["setup_GiB"], name
+        p = r["profile"]
+        assert p["busy_ms"] > 0 and p["phases"]["forward"]["busy_ms"] > 0, name
+        assert p["phases"]["optimizer"]["busy_ms"] > 0, name
+        assert p["unattributed_busy_ms"] < 0.1 * p["busy_ms"], (name, p)
