@@ -2,20 +2,22 @@
 # One batched session on a GPU machine (the H200 device tool): build for one architecture, run
 # every test including the CUDA ones, the benchmarks and a compute-sanitizer pass, logging under
 # $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
-#   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize]   (default: all)
+#   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e]   (default: all)
+#   env: TEST_PATHS, PYTEST_ARGS (tests); BENCH_SCRIPTS (bench: which of loss_scale optimizer cpp
+#   overhead, default all), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); STEP_TIMEOUT (s, per step)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-steps=${*:-build cpp tests bench sanitize}
+steps=${*:-build cpp tests bench sanitize e2e}
 PY=${PYTHON:-python3}
 ARCH=${MIXPREC_CUDA_ARCHITECTURES:-90}
 
 run() {  # run NAME CMD...: log to $OUT/NAME.log, print the tail, keep going on failure
   local name=$1; shift
   local t0=$SECONDS
-  "$@" >"$OUT/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-3000}" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
   tail -n 25 "$OUT/$name.log"
@@ -46,12 +48,19 @@ if [[ $steps == *tests* ]]; then
   run tests $PY -m pytest ${TEST_PATHS:-tests/python} -v -rs --timeout=900 -p no:cacheprovider ${PYTEST_ARGS:-}
 fi
 if [[ $steps == *bench* ]]; then
-  # One log for both benchmarks: the device tool returns at most 8 files.
-  run bench bash -c "$PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops.json && \
-    $PY benchmarks/optimizer_step.py --out $OUT/optimizer_step.json ${BENCH_OPT_ARGS:-}; \
-    if [ -x /tmp/mixprec-cppbench/adamw_step ]; then /tmp/mixprec-cppbench/adamw_step && /tmp/mixprec-cppbench/adamw_step --o2; fi"
+  # One log for every benchmark: the device tool returns at most 8 files.
+  scripts=${BENCH_SCRIPTS:-loss_scale optimizer cpp overhead}
+  run bench bash -c "
+    [[ '$scripts' == *loss_scale* ]] && $PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops.json
+    [[ '$scripts' == *optimizer* ]] && $PY benchmarks/optimizer_step.py --out $OUT/optimizer_step.json ${BENCH_OPT_ARGS:-}
+    [[ '$scripts' == *cpp* && -x /tmp/mixprec-cppbench/adamw_step ]] && /tmp/mixprec-cppbench/adamw_step && /tmp/mixprec-cppbench/adamw_step --o2
+    [[ '$scripts' == *overhead* && -f benchmarks/amp_overhead.py ]] && $PY benchmarks/amp_overhead.py --out $OUT/amp_overhead.json
+    true"
 fi
 if [[ $steps == *sanitize* ]]; then
   run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
     $PY -m pytest ${TEST_PATHS:-tests/python} -q -x -m cuda -k "${SANITIZE_K:-loss_scale or norm or adam}" -p no:cacheprovider
+fi
+if [[ $steps == *e2e* ]]; then
+  run e2e $PY benchmarks/e2e_gpt2.py --out "$OUT/e2e.json" ${E2E_ARGS:-}
 fi
