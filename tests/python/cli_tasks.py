@@ -91,3 +91,7 @@ def returns_garbage(device):
 def missing_loader(device):
     t = tiny_task(device)
     return {"model": t.model, "optimizer": t.optimizer, "loss_fn": t.loss_fn, "train_loader": t.train_loader}
+
+
+def interrupt_task(device):
+    return _task(_LowPrecisionOnly(KeyboardInterrupt()), device, "Ctrl-C in low precision")

@@ -149,6 +149,15 @@ def test_baseline_out_of_memory(tmp_path, capsys):
     assert doc["recommendation"]["reasons"]["O2-bf16"].startswith("no baseline to compare against")
 
 
+def test_interrupt_keeps_finished_modes(tmp_path, capsys):
+    assert run(tmp_path, "--task", TASKS + ":interrupt_task", "--modes", "O2-bf16,O3-bf16", *TINY) == 130
+    (line,) = error_lines(capsys)
+    assert line.startswith("mixprec compare: error: interrupted")
+    doc = report(tmp_path)
+    assert not doc["complete"] and doc["error"] == "interrupted"
+    assert [(m["mode"], m["status"]) for m in doc["modes"]] == [("O0", "ok")]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--modes", "O0,O7-fp16"], "unknown mode 'O7-fp16' (known: O0, O1-fp16"),
     (["--modes", ","], "no mode given"),
@@ -185,7 +194,7 @@ def test_malformed_task_stops_with_partial_report(tmp_path, capsys, fn, message)
     (line,) = error_lines(capsys)
     assert message in line
     doc = report(tmp_path)
-    assert not doc["complete"] and message in doc["error"] and doc["modes"][0]["status"] == "failed"
+    assert not doc["complete"] and message in doc["error"] and doc["modes"] == []  # found before any mode
 
 
 def test_help_and_no_command(capsys):

@@ -14,7 +14,7 @@ import torch
 
 from .modes import BASELINE, all_modes, default_modes, parse_modes
 from .report import OOM, OK, add_relative_figures, recommend, table, write_json
-from .runner import RunConfig, run_mode
+from .runner import RunConfig, run_mode, warm_up
 from .task import TaskError, load_entry_point
 
 EMBEDDED = "mixprec.cli.embedded:make_task"
@@ -149,6 +149,13 @@ def compare(args: argparse.Namespace) -> int:
         write_json(json_path, header, results, rec, complete, error)
 
     try:
+        try:
+            warm_up(factory, args.task, device, cfg, init_state)
+        except TaskError as e:
+            error = str(e)
+            _error(error)
+            save(False)
+            return 2
         for mode in modes:
             sink = None
             if args.tensorboard:

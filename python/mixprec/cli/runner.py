@@ -137,10 +137,31 @@ def evaluate(task: Task, device: torch.device, cap: Optional[int]) -> tuple[Opti
     return avg.means(nonfinite_if_empty=True)
 
 
+def warm_up(factory: Callable, where: str, device: torch.device, cfg: RunConfig, init_state: dict) -> None:
+    """Builds the task once and takes one plain fp32 step, outside every measurement, so that
+    one-time costs (torch's lazy imports on the first optimizer, thread pools, the CUDA context
+    and library handles) are not charged to O0. Fills ``init_state`` with the initial weights.
+    Errors other than TaskError are left for the O0 run to meet and record."""
+    torch.manual_seed(cfg.seed)
+    try:
+        task = build_task(factory, device, where)
+        init_state.update({k: v.detach().to("cpu", copy=True) for k, v in task.model.state_dict().items()})
+        for batch in _capped(task.train_loader, 1):
+            x, y = _unpack(batch, "train_loader")
+            x, y = _to(device, x), _to(device, y)
+            task.loss_fn(task.model(x), y).backward()
+            task.optimizer.step()
+        _sync(device)
+    except TaskError:
+        raise
+    except Exception:  # O0 will meet the same error and record it as its status and reason
+        pass
+
+
 def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cfg: RunConfig,
              init_state: dict, sink: Any = None, metric_info: Optional[dict] = None) -> ModeResult:
-    """Trains one mode from the initial weights in ``init_state`` (filled by the first mode run)
-    and returns its ModeResult. Errors become the result's status and reason, except
+    """Trains one mode from the initial weights in ``init_state`` (filled by warm_up, or by this
+    run when it is empty) and returns its ModeResult. Errors become the result's status and reason, except
     KeyboardInterrupt and TaskError (the task is malformed, so every mode would fail alike:
     raised with the partial result as ``e.result``). ``sink`` (optional) gets
     ``on_step(step, scalars)`` and ``on_epoch(epoch, scalars)`` (TensorBoard); ``metric_info``
