@@ -71,6 +71,23 @@ def test_embedded_default_through_python_m(tmp_path):
     assert not (tmp_path / "tensorboard").exists()  # only with --tensorboard
 
 
+@pytest.mark.cuda
+def test_every_mode_on_cuda(tmp_path):
+    assert main(["compare", "--out", str(tmp_path), "--device", "cuda", "--modes", "all", "--tensorboard",
+                 "--epochs", "2", "--steps-per-epoch", "4", "--val-steps", "1", "--no-progress"]) == 0
+    doc = report(tmp_path)
+    assert doc["device"].startswith("cuda") and doc["default_modes"] == [m["mode"] for m in doc["modes"]]
+    for m in doc["modes"]:
+        assert m["status"] == "ok", m
+        assert m["memory_kind"] == "cuda allocator peak" and m["peak_memory_mb"] > 0 and m["peak_rss_mb"] is None
+        dynamic = m["dtype"] == "float16" and m["opt_level"] in ("O1", "O2")
+        if dynamic:  # 2^16, less a backoff per overflowing step (a first step may overflow)
+            assert m["final_loss_scale"] == 2.0**16 / 2 ** m["skipped_steps"]
+        else:
+            assert m["final_loss_scale"] == 1.0 and m["skipped_steps"] == 0
+    assert doc["recommendation"]["mode"] is not None
+
+
 def test_user_task_outputs_parse(tmp_path, capsys):
     example = os.path.join(ROOT, "examples", "python", "compare_task.py")
     assert run(tmp_path, "--task", example + ":make_task", "--modes", "O2-bf16", "--tensorboard", *TINY) == 0

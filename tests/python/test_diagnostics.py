@@ -41,14 +41,14 @@ def fresh_amp():
     amp._amp_state.__init__()  # the next test's initialize starts clean
 
 
-def test_nonfinite_grads_names_exactly_the_bad_params(gen, rng):
-    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3), nn.Linear(3, 2))
+def test_nonfinite_grads_names_exactly_the_bad_params(device, gen, rng):
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3), nn.Linear(3, 2)).to(device)
     model[1].double()  # a float64 layer: outside the op's dtypes, checked through torch
-    extra = nn.Parameter(random_tensor((4, 6), torch.bfloat16, "cpu", gen))
+    extra = nn.Parameter(random_tensor((4, 6), torch.bfloat16, device, gen))
     named = list(model.named_parameters()) + [("extra", extra)]
     for _, p in named:
-        p.grad = random_tensor(p.shape, p.dtype, "cpu", gen)
-    extra.grad = random_tensor((6, 4), torch.bfloat16, "cpu", gen).t()  # non-contiguous
+        p.grad = random_tensor(p.shape, p.dtype, device, gen)
+    extra.grad = random_tensor((6, 4), torch.bfloat16, device, gen).t()  # non-contiguous
     assert diagnostics.nonfinite_grads(named) == []
     bad = set(rng.sample([n for n, _ in named], 3))
     for n, p in named:
@@ -137,11 +137,11 @@ def test_monitor_transient_overflow_names_the_param(gen):
     assert amp.skipped_steps() == 1
 
 
-def test_monitor_nan_loss_then_stuck_error(gen):
-    model = rigged(gen)  # overflows in fp16 at every step: the loss is inf/NaN
+def test_monitor_nan_loss_then_stuck_error(device, gen):
+    model = rigged(gen).to(device)  # overflows in fp16 at every step: the loss is inf/NaN
     opt = FusedAdam(model.parameters(), lr=1e-3)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, min_loss_scale=2.0**14)
-    batches = [(random_tensor((4, 8), torch.float32, "cpu", gen), random_tensor((4, 1), torch.float32, "cpu", gen))
+    batches = [(random_tensor((4, 8), torch.float32, device, gen), random_tensor((4, 1), torch.float32, device, gen))
                for _ in range(10)]
     monitor = diagnostics.Monitor(model, patience=3)
     with pytest.raises(diagnostics.LossScaleStuckError, match=r"last 3 updates.*floor 16384.*loss itself was NaN"):
