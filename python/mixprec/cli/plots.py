@@ -22,6 +22,7 @@ def plot_curves(path: str, results: list[ModeResult], metric_name: str) -> None:
 
     matplotlib.use("Agg")  # no display needed; also safe when a GUI backend is configured
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax_loss, ax_scale, ax_val) = plt.subplots(1, 3, figsize=(16, 4.8))
     for r in results:
@@ -41,6 +42,7 @@ def plot_curves(path: str, results: list[ModeResult], metric_name: str) -> None:
     ax_scale.set(title="loss scale (1 = no scaling)", xlabel="step", ylabel="scale")
     ax_scale.set_yscale("log", base=2)
     ax_val.set(title=f"validation {metric_name}", xlabel="epoch", ylabel=metric_name)
+    ax_val.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (ax_loss, ax_scale, ax_val):
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
