@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import mixprec
 from mixprec.cli.main import main
 from mixprec.cli.modes import default_modes
 
@@ -43,8 +44,10 @@ def error_lines(capsys) -> list[str]:
 
 
 def test_embedded_default_through_python_m(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "python"),
-                                                                     os.environ.get("PYTHONPATH")])),
+    # The child imports the mixprec this process imported (an installed one in CI, a source tree
+    # with its built library in development).
+    package_parent = os.path.dirname(os.path.dirname(mixprec.__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "mixprec", "compare", "--out", str(tmp_path), "--device", "cpu",
                            "--epochs", "1", "--steps-per-epoch", "2", "--val-steps", "1"],
