@@ -19,6 +19,7 @@ from ._ops import (
 from . import optimizers  # noqa: E402  (needs the ops loaded above)
 from .grad_scaler import GradScaler  # noqa: E402
 from . import amp  # noqa: E402
+from . import diagnostics  # noqa: E402
 from .apex_alias import enable_apex_alias  # noqa: E402
 from . import apex_alias as _apex_alias  # noqa: E402
 
@@ -32,6 +33,7 @@ cmake_prefix_path = _library.cmake_prefix_path()
 __all__ = [
     "GradScaler",
     "amp",
+    "diagnostics",
     "enable_apex_alias",
     "adagrad_",
     "adam_",

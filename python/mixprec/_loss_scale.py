@@ -5,6 +5,7 @@ and mixprec.amp's loss scalers."""
 from __future__ import annotations
 
 import math
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
 
@@ -94,6 +95,11 @@ def _check_number(name: str, value: Any, *, integer: bool = False, lo: float | N
         raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {value!r}")
 
 
+#: Callbacks ``fn(state, found)`` run after each update of a ScaleState (mixprec.diagnostics'
+#: hook). Kept outside the state, so pickling and checkpoints never see them.
+update_observers: "weakref.WeakKeyDictionary[ScaleState, list]" = weakref.WeakKeyDictionary()
+
+
 class ScaleState:
     """A dynamic loss scale living on one device: scale (float32), growth tracker (int32),
     hysteresis tracker (int32), skipped-step counter (int64), and an optional ring of the last
@@ -155,12 +161,16 @@ class ScaleState:
             skipped_steps=self.skipped, min_scale=float(self.min_scale or 0.0),
             max_scale=float(self.max_scale or 0.0),
         )
+        for fn in update_observers.get(self, ()):
+            fn(self, found)
 
     def count_skip(self, found: torch.Tensor) -> None:
         """Counts an overflow without updating the scale (a user-set new scale)."""
         found = found.to(self.scale.device, non_blocking=True)
         self._record(found)
         self.skipped.add_((found != 0).to(torch.int64))
+        for fn in update_observers.get(self, ()):
+            fn(self, found)
 
     def _record(self, found: torch.Tensor) -> None:
         if self.history is None:

@@ -1,0 +1,74 @@
+"""Precision modes `mixprec compare` knows: every amp opt level in float16 and in bfloat16 (O0
+is plain fp32), named like ``O2-bf16``; new opt levels in mixprec.amp appear here by themselves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..amp import opt_levels
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+BASELINE = "O0"
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    opt_level: str
+    dtype: torch.dtype  # the low-precision dtype (float32 for O0)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).replace("torch.", "")
+
+
+def all_modes() -> dict[str, Mode]:
+    modes = {}
+    for level in sorted(opt_levels):
+        if level == BASELINE:
+            modes[level] = Mode(level, level, torch.float32)
+        else:
+            for suffix, dtype in DTYPES.items():
+                modes[f"{level}-{suffix}"] = Mode(f"{level}-{suffix}", level, dtype)
+    return modes
+
+
+def default_modes(device: torch.device) -> list[str]:
+    """On a GPU, every mode. On a CPU, O0 and the bf16 modes: bf16 is the low precision CPUs
+    accelerate (AVX-512 BF16, AMX), while float16 has few fast CPU kernels (on a 2-core AVX-512
+    machine, O1-fp16 ran about 4x slower than O1-bf16 on the embedded task) and says little
+    about a GPU; ask for the fp16 modes with --modes. On CPUs without AMX and on small models,
+    bf16 is often slower than fp32; the compare then says so and recommends O0."""
+    names = list(all_modes())
+    if device.type == "cuda":
+        return names
+    return [n for n in names if n == BASELINE or n.endswith("-bf16")]
+
+
+def parse_modes(spec: str, device: torch.device) -> list[Mode]:
+    """A comma-separated list of mode names, ``all`` or ``default`` (case-insensitive; ``O2``
+    alone means both O2-fp16 and O2-bf16). O0, the baseline, is always run first. Raises
+    ValueError naming an unknown mode and listing the known ones."""
+    known = all_modes()
+    by_lower = {k.lower(): k for k in known}
+    chosen: list[str] = []
+    for raw in (s.strip() for s in spec.split(",")):
+        if not raw:
+            continue
+        key = raw.lower()
+        if key == "all":
+            chosen += list(known)
+        elif key == "default":
+            chosen += default_modes(device)
+        elif key in by_lower:
+            chosen.append(by_lower[key])
+        elif any(k.startswith(key + "-") for k in by_lower):
+            chosen += [by_lower[k] for k in by_lower if k.startswith(key + "-")]
+        else:
+            raise ValueError(f"unknown mode {raw!r} (known: {', '.join(known)}, all, default)")
+    if not chosen:
+        raise ValueError("no mode given")
+    names = [BASELINE] + [n for n in dict.fromkeys(chosen) if n != BASELINE]
+    return [known[n] for n in names]

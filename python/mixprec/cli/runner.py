@@ -1,0 +1,293 @@
+"""Trains the task under one precision mode through mixprec.amp and measures it: time per epoch,
+throughput, peak memory, losses and metric, skipped steps and loss scale, with mixprec's
+diagnostics watching. Any error becomes the mode's status and reason, never a crash."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import amp, diagnostics
+from ..amp._casts import applier
+from ..amp._scaler import _amp_state
+from .memory import MemoryMeter
+from .modes import Mode
+from .report import DIVERGED, FAILED, OK, OOM, ModeResult
+from .task import Task, TaskError, build_task
+
+MAX_EVENTS_KEPT = 20
+
+
+@dataclass
+class RunConfig:
+    epochs: int = 3
+    steps_per_epoch: Optional[int] = None  # cap on batches per epoch (None: the whole loader)
+    val_steps: Optional[int] = None  # cap on validation batches
+    seed: int = 0
+    patience: int = 20  # overflowing updates in a row at the scale floor, or NaN losses in a row
+    debug_forward: bool = False
+    progress: bool = True
+
+
+class Diverged(Exception):
+    pass
+
+
+def is_oom(e: BaseException) -> bool:
+    if isinstance(e, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    text = str(e)
+    return isinstance(e, (RuntimeError, MemoryError)) and (
+        isinstance(e, MemoryError) or "out of memory" in text or "can't allocate memory" in text)
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    lines = [s.strip() for s in str(e).strip().splitlines() if s.strip()]
+    text = lines[0] if lines else ""
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _batch_size(targets: Any, inputs: Any) -> int:
+    for value in (targets, inputs):
+        for t in diagnostics._tensors(value):
+            if t.dim() > 0:
+                return int(t.shape[0])
+    return 1
+
+
+def _num(value: Any) -> float:
+    return float(value.detach().float()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Averager:
+    """Batch-size-weighted means of a loss and a metric over finite values."""
+
+    def __init__(self) -> None:
+        self.loss = self.metric = 0.0
+        self.n_loss = self.n_metric = 0
+
+    def add(self, loss: float, metric: Optional[float], n: int) -> None:
+        if math.isfinite(loss):
+            self.loss += loss * n
+            self.n_loss += n
+        if metric is not None and math.isfinite(metric):
+            self.metric += metric * n
+            self.n_metric += n
+
+    def means(self, nonfinite_if_empty: bool) -> tuple[Optional[float], Optional[float]]:
+        empty = math.nan if nonfinite_if_empty else None
+        return (self.loss / self.n_loss if self.n_loss else empty,
+                self.metric / self.n_metric if self.n_metric else empty)
+
+
+def _capped(loader: Any, cap: Optional[int]):
+    for i, batch in enumerate(loader):
+        if cap is not None and i >= cap:
+            break
+        yield batch
+
+
+def _steps_per_epoch(loader: Any, cap: Optional[int]) -> Optional[int]:
+    try:
+        n = len(loader)
+    except TypeError:
+        return cap
+    return n if cap is None else min(n, cap)
+
+
+def _unpack(batch: Any, where: str) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TaskError(f"{where}: each batch must be an (inputs, targets) pair, got {type(batch).__name__}"
+                    f"{' of length %d' % len(batch) if isinstance(batch, (tuple, list)) else ''}")
+
+
+def _to(device: torch.device, value: Any) -> Any:
+    return applier(value, lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t)
+
+
+@torch.no_grad()
+def evaluate(task: Task, device: torch.device, cap: Optional[int]) -> tuple[Optional[float], Optional[float]]:
+    task.model.eval()
+    avg = _Averager()
+    for batch in _capped(task.val_loader, cap):
+        x, y = _unpack(batch, "val_loader")
+        x, y = _to(device, x), _to(device, y)
+        out = task.model(x)
+        loss = _num(task.loss_fn(out, y))
+        metric = _num(task.metric_fn(out, y)) if task.metric_fn is not None else loss
+        avg.add(loss, metric, _batch_size(y, x))
+        if not math.isfinite(loss):  # a NaN batch makes the whole validation non-finite
+            avg.n_loss = 0
+            break
+    task.model.train()
+    if avg.n_loss == 0:
+        return math.nan, math.nan
+    return avg.means(nonfinite_if_empty=True)
+
+
+def warm_up(factory: Callable, where: str, device: torch.device, cfg: RunConfig, init_state: dict) -> None:
+    """Builds the task once and takes one plain fp32 step, outside every measurement, so that
+    one-time costs (torch's lazy imports on the first optimizer, thread pools, the CUDA context
+    and library handles) are not charged to O0. Fills ``init_state`` with the initial weights.
+    Errors other than TaskError are left for the O0 run to meet and record."""
+    torch.manual_seed(cfg.seed)
+    try:
+        task = build_task(factory, device, where)
+        init_state.update({k: v.detach().to("cpu", copy=True) for k, v in task.model.state_dict().items()})
+        for batch in _capped(task.train_loader, 1):
+            x, y = _unpack(batch, "train_loader")
+            x, y = _to(device, x), _to(device, y)
+            task.loss_fn(task.model(x), y).backward()
+            task.optimizer.step()
+        _sync(device)
+    except TaskError:
+        raise
+    except Exception:  # O0 will meet the same error and record it as its status and reason
+        pass
+
+
+def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cfg: RunConfig,
+             init_state: dict, sink: Any = None, metric_info: Optional[dict] = None) -> ModeResult:
+    """Trains one mode from the initial weights in ``init_state`` (filled by warm_up, or by this
+    run when it is empty) and returns its ModeResult. Errors become the result's status and reason, except
+    KeyboardInterrupt and TaskError (the task is malformed, so every mode would fail alike:
+    raised with the partial result as ``e.result``). ``sink`` (optional) gets
+    ``on_step(step, scalars)`` and ``on_epoch(epoch, scalars)`` (TensorBoard); ``metric_info``
+    receives the task's metric ``name`` and ``higher`` (is better)."""
+    r = ModeResult(mode.name, mode.opt_level, mode.dtype_name)
+    meter = MemoryMeter(device)
+    r.memory_kind = meter.kind
+    meter.start()
+    monitor = debugger = bar = None
+    epoch_samples_seen: list[int] = []
+    try:
+        torch.manual_seed(cfg.seed)
+        task = build_task(factory, device, where)
+        if metric_info is not None:
+            metric_info.update(name=task.metric_name, higher=task.higher_is_better)
+        if not init_state:
+            init_state.update({k: v.detach().to("cpu", copy=True) for k, v in task.model.state_dict().items()})
+        else:
+            try:
+                task.model.load_state_dict(init_state)
+            except RuntimeError as e:
+                raise TaskError(f"{where}: the model differs between calls, so modes cannot start from the same "
+                                f"weights: {one_line(e)}") from e
+        task.model, task.optimizer = amp.initialize(task.model, task.optimizer, opt_level=mode.opt_level,
+                                                    dtype=None if mode.opt_level == "O0" else mode.dtype,
+                                                    verbosity=0)
+        scaler = _amp_state.loss_scalers[0]
+        monitor = diagnostics.Monitor(task.model, patience=cfg.patience, max_events=MAX_EVENTS_KEPT)
+        if cfg.debug_forward:
+            debugger = diagnostics.ForwardDebugger(task.model)
+        per_epoch = _steps_per_epoch(task.train_loader, cfg.steps_per_epoch)
+        from tqdm.auto import tqdm
+        bar = tqdm(total=None if per_epoch is None else per_epoch * cfg.epochs, desc=f"{mode.name:8}",
+                   unit="step", disable=not cfg.progress, file=sys.stderr, dynamic_ncols=True, leave=True)
+        nan_run = 0
+        for epoch in range(cfg.epochs):
+            task.model.train()
+            avg = _Averager()
+            epoch_samples = 0
+            _sync(device)
+            t0 = time.perf_counter()
+            for batch in _capped(task.train_loader, cfg.steps_per_epoch):
+                ts = time.perf_counter()
+                x, y = _unpack(batch, "train_loader")
+                x, y = _to(device, x), _to(device, y)
+                task.optimizer.zero_grad(set_to_none=True)
+                out = task.model(x)
+                loss = monitor.watch_loss(task.loss_fn(out, y))
+                with amp.scale_loss(loss, task.optimizer) as scaled:
+                    scaled.backward()
+                task.optimizer.step()
+                loss_value = _num(loss)  # one host read per step, as most training loops log
+                metric = _num(task.metric_fn(out.detach(), y)) if task.metric_fn is not None else None
+                step_ms = 1e3 * (time.perf_counter() - ts)
+                n = _batch_size(y, x)
+                avg.add(loss_value, metric, n)
+                epoch_samples += n
+                r.steps += 1
+                r.loss_curve.append(loss_value)
+                r.scale_curve.append(scaler.loss_scale())
+                r.step_time_ms.append(step_ms)
+                r.skipped_steps = monitor.overflows
+                if not math.isfinite(loss_value):
+                    r.nan_loss_steps += 1
+                    nan_run += 1
+                    if nan_run >= cfg.patience:
+                        raise Diverged(f"loss non-finite for {nan_run} steps in a row (since step {r.steps - nan_run})")
+                else:
+                    nan_run = 0
+                if sink is not None:
+                    sink.on_step(r.steps, {"train/loss": loss_value, "loss_scale": r.scale_curve[-1],
+                                           "skipped_steps": r.skipped_steps, "step_time_ms": step_ms,
+                                           "memory_mb": meter.current_mb()})
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.4f}", scale=f"{r.scale_curve[-1]:g}", refresh=False)
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            r.epoch_times.append(elapsed)
+            epoch_samples_seen.append(epoch_samples)
+            r.samples += epoch_samples
+            r.epochs = epoch + 1
+            r.train_loss, r.train_metric = avg.means(nonfinite_if_empty=avg.n_loss == 0 and epoch_samples > 0)
+            r.val_loss, r.val_metric = evaluate(task, device, cfg.val_steps)
+            r.val_loss_curve.append(r.val_loss)
+            r.val_metric_curve.append(r.val_metric)
+            if sink is not None:
+                sink.on_epoch(r.epochs, {"val/loss": r.val_loss, "val/metric": r.val_metric,
+                                         "train/epoch_loss": r.train_loss, "epoch_time_s": elapsed})
+        r.status = OK
+        if r.val_loss is not None and not math.isfinite(r.val_loss):
+            r.status, r.error = DIVERGED, "validation loss is NaN/inf at the end"
+    except KeyboardInterrupt:
+        r.status, r.error = FAILED, "interrupted"
+        raise
+    except (diagnostics.LossScaleStuckError, Diverged) as e:
+        r.status, r.error = DIVERGED, str(e).replace("mixprec: ", "")
+    except TaskError as e:
+        r.status, r.error = FAILED, str(e)
+        e.result = r
+        raise
+    except Exception as e:  # an op without a kernel for this dtype, a user bug, ...: recorded, not fatal
+        r.status, r.error = (OOM if is_oom(e) else FAILED), one_line(e)
+    finally:
+        if bar is not None:
+            bar.close()
+        _finish(r, meter, monitor, debugger, epoch_samples_seen)
+    return r
+
+
+def _finish(r: ModeResult, meter: MemoryMeter, monitor, debugger, epoch_samples: list[int]) -> None:
+    if r.epoch_times:
+        skip = 1 if len(r.epoch_times) > 1 else 0  # the first of several epochs is warm-up
+        timed = sum(r.epoch_times[skip:])
+        r.time_per_epoch = timed / (len(r.epoch_times) - skip)
+        r.samples_per_s = sum(epoch_samples[skip:]) / timed if timed > 0 else None
+    if monitor is not None:
+        r.skipped_steps = monitor.overflows
+        r.overflow_events = [vars(e) for e in monitor.events]
+        r.nonfinite_params = sorted({p for e in monitor.events for p in e.params})
+        monitor.close()
+    if _amp_state.loss_scalers and r.steps:
+        r.final_loss_scale = _amp_state.loss_scalers[0].loss_scale()
+    if debugger is not None:
+        if debugger.first is not None:
+            r.first_nonfinite_module = str(debugger.first)
+            if r.status != OK:
+                r.error = f"{r.error}; first non-finite forward output: {r.first_nonfinite_module}"
+        debugger.close()
+    r.peak_memory_mb, r.peak_rss_mb = meter.peak()
