@@ -25,11 +25,18 @@ def any_dtensor(tensors: Sequence[torch.Tensor]) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The rank's shard of a DTensor (sharing its storage, so in-place updates land in the
     DTensor), or ``t`` itself."""
+    if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:  # the common case, cheaply
+        return t
     cls = dtensor_type()
     if cls is None or not isinstance(t, cls):
         return t
     with torch.no_grad():  # the storage itself, not an autograd view of it
         return t.to_local()
+
+
+def local_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`local` of each; ``tensors`` itself while no DTensor can exist."""
+    return tensors if dtensor_type() is None else [local(t) for t in tensors]
 
 
 def _kind(placement) -> str:

@@ -13,7 +13,7 @@ from weakref import WeakKeyDictionary
 import torch
 
 from . import distributed as _dist
-from ._dtensor import local as _local
+from ._dtensor import local_all
 from ._loss_scale import Replicator, ScaleState, _check_number, check_and_unscale_, combine_found, validate_extra_state
 from ._step_guard import StepGuard
 
@@ -161,8 +161,8 @@ class GradScaler:
                         param.grad = param.grad.coalesce()
                     grads.append(param.grad._values())
                 else:
-                    grads.append(_local(param.grad))  # FSDP2: this rank's shard
-        return grads
+                    grads.append(param.grad)
+        return local_all(grads)  # FSDP2's DTensor gradients: this rank's shards
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Optional[torch.Tensor],
                         found_inf: torch.Tensor, allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:

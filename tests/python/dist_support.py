@@ -53,6 +53,9 @@ def run_ranks(fn: Callable, *args: Any, backend: str = "gloo", device: str = "cp
     the other ranks are ended. CPU ranks are forked (no second import of torch: each test stays a
     few seconds); CUDA ranks are spawned, as CUDA requires."""
     world = world_size(device)
+    if device == "cpu":
+        # DDP's forward imports torch._dynamo (seconds): once here, every forked rank inherits it.
+        import torch._dynamo  # noqa: F401
     old_env = {k: os.environ.get(k) for k in CHILD_ENV}
     os.environ.update(CHILD_ENV)  # spawned children start from the parent's environment
     try:
