@@ -63,7 +63,7 @@ def _amp_rank(rank, world, device, level, dtype, kind, seed, inject, local):
     snapshots = _train_amp(model, _wrap(model, device), opt, make_batches(seed, STEPS, world), rank, world, device,
                            inject)
     return {"snapshots": snapshots, "skipped": amp.skipped_steps(), "scale": amp.loss_scale(),
-            "grad_dtype": str(next(model.parameters()).dtype)}
+            "param_dtype": str(next(model.parameters()).dtype)}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -127,7 +127,7 @@ def test_amp_ddp_matches_one_process_on_the_concatenated_batch(backend, level, d
         err = rel_update_err(r["snapshots"][-1], ref[-1], start)
         assert err < tol, f"{level}/{dtype}: DDP vs one process differ by {err:.3g} of the update (bound {tol})"
     if level in ("O2", "O3"):
-        assert results[0]["grad_dtype"] == str(dtype)  # the model, so DDP's all-reduce, is low precision
+        assert results[0]["param_dtype"] == str(dtype)  # so are its gradients, which DDP all-reduces
 
 
 def _scaler_rank(rank, world, device, kind, dtype, seed, local):
@@ -244,3 +244,41 @@ def test_checkpoint_round_trip_continues_identically(backend, how, seed, tmp_pat
         assert all(torch.equal(a, b) for a, b in zip(r["a"], r["b"])), f"{how}: the resumed run differs"
         assert r["scales"][0] == r["scales"][1]
     assert all(torch.equal(a, b) for a, b in zip(results[0]["b"], results[1]["b"]))
+
+
+def _messages_rank(rank, world, device, seed):
+    import logging
+    import warnings
+
+    from mixprec.amp import _scaler
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("mixprec.amp").addHandler(handler)
+    logging.getLogger("mixprec.amp").setLevel(logging.INFO)  # initialize's messages too
+    _scaler.LOG_INTERVAL_S = 0.0  # report every overflow
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixprec.GradScaler("cuda")  # no CUDA here: warns that it disables itself
+    model = make_model(seed)
+    model, opt = amp.initialize(model, FusedAdam(model.parameters()), opt_level="O1", verbosity=1)
+    ddp = DDP(model)
+    x, y = shard_of(make_batches(seed, 1, world)[0], rank, world, device)
+    with amp.scale_loss(loss_fn(ddp(x), y), opt) as scaled:
+        scaled.backward()
+        next(model.parameters()).grad.view(-1)[0] = math.inf
+    opt.step()
+    return {"warnings": [str(w.message) for w in caught], "logs": records, "skipped": amp.skipped_steps()}
+
+
+def test_warnings_and_logs_come_from_rank0_only(seed):
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA, where GradScaler('cuda') warns")
+    rank0, rank1 = run_ranks(_messages_rank, seed)
+    assert rank0["skipped"] == rank1["skipped"] == 1
+    assert any("CUDA is not available" in w for w in rank0["warnings"])
+    assert any("Gradient overflow" in m for m in rank0["logs"])
+    assert any("Selected optimization level" in m for m in rank0["logs"])
+    assert not any("CUDA is not available" in w for w in rank1["warnings"])
+    assert rank1["logs"] == []  # nothing at all from mixprec.amp, initialize's messages included
