@@ -282,3 +282,18 @@ def test_warnings_and_logs_come_from_rank0_only(seed):
     assert any("Selected optimization level" in m for m in rank0["logs"])
     assert not any("CUDA is not available" in w for w in rank1["warnings"])
     assert rank1["logs"] == []  # nothing at all from mixprec.amp, initialize's messages included
+
+
+def test_checkpoint_state_refuses_what_dcp_cannot_map(seed):
+    model = make_model(seed)
+    model, opt = amp.initialize(model, torch.optim.Adam(model.parameters()), opt_level="O2", verbosity=0)
+    with pytest.raises(ValueError, match="amp.checkpoint_state"):
+        mixprec.distributed.CheckpointState(model, opt)  # O2's masters live in the param groups
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        mixprec.distributed.CheckpointState(opt, opt)
+    with pytest.raises(TypeError, match=r"optimizers\[1\]"):
+        mixprec.distributed.CheckpointState(model, [FusedAdam(model.parameters()), model])
+    state = mixprec.distributed.CheckpointState(make_model(seed), FusedAdam(make_model(seed).parameters()),
+                                                mixprec.GradScaler("cpu"))
+    with pytest.raises(KeyError, match="'scaler'"):
+        state.load_state_dict({"model": {}, "optim": {}})
