@@ -2,7 +2,8 @@
 
 Every function is a thin call through the dispatcher, so the same kernels serve Python, C++ and
 torch.compile. Device scalars (found_inf, inv_scale, ...) are one-element float32 tensors on the
-device of the tensor lists.
+device of the tensor lists. DTensors (FSDP2's sharded parameters) are taken by their local
+shards where that is exact (see ``_dtensor.local_lists``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _library
+from ._dtensor import local_lists
 
 _library.load()
 _ops = torch.ops.mixprec
@@ -33,7 +35,8 @@ def non_finite_check_and_unscale_(
     a non-finite value, at no extra pass. Like ``found_inf`` it is only ever set, never cleared:
     zero both before a step. ``found_inf=None`` gives pure scaling.
     """
-    _ops.non_finite_check_and_unscale_(list(grads), found_inf, inv_scale, list(out), per_tensor_found)
+    grads, out = local_lists("non_finite_check_and_unscale_", (grads, out), elementwise=True)
+    _ops.non_finite_check_and_unscale_(grads, found_inf, inv_scale, out, per_tensor_found)
 
 
 def update_scale_(
@@ -73,12 +76,14 @@ def multi_tensor_norm(
     Returns ``(total, per_tensor_norms)``: a 0-dim float32 tensor and a float32 vector of
     ``len(tensors)`` (empty unless ``per_tensor``). Accumulates in float32, deterministically.
     """
-    return _ops.multi_tensor_norm(list(tensors), float(ord), per_tensor)
+    (tensors,) = local_lists("multi_tensor_norm", (tensors,), elementwise=False)
+    return _ops.multi_tensor_norm(tensors, float(ord), per_tensor)
 
 
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies every tensor in place by the device scalar ``scale`` (e.g. a clip coefficient)."""
-    _ops.non_finite_check_and_unscale_(list(tensors), None, scale, [], None)
+    (tensors,) = local_lists("scale_", (tensors,), elementwise=True)
+    _ops.non_finite_check_and_unscale_(tensors, None, scale, [], None)
 
 
 def adam_(
@@ -117,8 +122,10 @@ def adam_(
         if grads or exp_avgs or exp_avg_sqs or max_exp_avg_sqs or master_params:
             raise ValueError("mixprec::adam_: params is empty but other lists are not")
         return
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params = local_lists(
+        "adam_", (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), elementwise=True)
     _ops.adam_(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(master_params),
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
         step_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
         bias_correction=bias_correction, maximize=maximize, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale,
         found_inf=found_inf,
@@ -148,8 +155,10 @@ def sgd_(
     buffer to the gradient). ``momentum_buffers`` is empty when ``momentum == 0``. The shared
     arguments (master_params, step_tensor, step, lr_tensor, grad_scale, found_inf) are as in
     :func:`adam_`."""
+    params, grads, momentum_buffers, master_params = local_lists(
+        "sgd_", (params, grads, momentum_buffers, master_params), elementwise=True)
     _ops.sgd_(
-        list(params), list(grads), list(momentum_buffers), list(master_params), step_tensor, lr=lr,
+        params, grads, momentum_buffers, master_params, step_tensor, lr=lr,
         momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
         wd_after_momentum=wd_after_momentum, maximize=maximize, step=step, lr_tensor=lr_tensor,
         grad_scale=grad_scale, found_inf=found_inf,
@@ -183,8 +192,10 @@ def lamb_(
     """One fused LAMB step. ``global_grad_norm`` (float32, one element) is the norm of the
     unscaled gradients over every group, used for clipping to ``max_grad_norm``; when None it
     is computed from ``grads``. Shared arguments as in :func:`adam_`."""
+    params, grads, exp_avgs, exp_avg_sqs, master_params = local_lists(
+        "lamb_", (params, grads, exp_avgs, exp_avg_sqs, master_params), elementwise=False)
     _ops.lamb_(
-        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(master_params), step_tensor, lr=lr,
+        params, grads, exp_avgs, exp_avg_sqs, master_params, step_tensor, lr=lr,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
         grad_averaging=grad_averaging, adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb,
         step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf, global_grad_norm=global_grad_norm,
@@ -211,8 +222,10 @@ def adagrad_(
 ) -> None:
     """One fused Adagrad step (torch.optim.Adagrad's lr_decay; ``adagrad_w_mode`` decays weights
     decoupled as Apex does). Shared arguments as in :func:`adam_`."""
+    params, grads, state_sums, master_params = local_lists(
+        "adagrad_", (params, grads, state_sums, master_params), elementwise=True)
     _ops.adagrad_(
-        list(params), list(grads), list(state_sums), list(master_params), step_tensor, lr=lr, eps=eps,
+        params, grads, state_sums, master_params, step_tensor, lr=lr, eps=eps,
         weight_decay=weight_decay, lr_decay=lr_decay, adagrad_w_mode=adagrad_w_mode, maximize=maximize, step=step,
         lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
     )
@@ -244,8 +257,10 @@ def novograd_(
     """One fused NovoGrad step: per-tensor second moments in ``exp_avg_sq_norms`` (float32,
     ``len(params)``), from each gradient's norm (``norm_type`` 2 or inf). Shared arguments as in
     :func:`adam_`."""
+    params, grads, exp_avgs, master_params = local_lists(
+        "novograd_", (params, grads, exp_avgs, master_params), elementwise=False)
     _ops.novograd_(
-        list(params), list(grads), list(exp_avgs), exp_avg_sq_norms, list(master_params), step_tensor, lr=lr,
+        params, grads, exp_avgs, exp_avg_sq_norms, master_params, step_tensor, lr=lr,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
         grad_averaging=grad_averaging, reg_inside_moment=reg_inside_moment, norm_type=float(norm_type),
         init_zero=init_zero, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,

@@ -12,13 +12,16 @@ from typing import Any, Callable
 
 import torch
 
+from ._dtensor import local
+
 # Same-width integer views: copies and the select below are then exact for every bit pattern
 # (NaN payloads, -0.0, inf), which float arithmetic (lerp, x*0) is not: inf*0 is NaN.
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _int_view(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().view(_INT_OF_WIDTH[t.element_size()])
+    # A DTensor (FSDP2) is snapshotted and selected through its local shard.
+    return local(t).detach().view(_INT_OF_WIDTH[t.element_size()])
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -99,6 +102,7 @@ class StepGuard:
 
     # -- internals --------------------------------------------------------------------------------
     def _snapshot(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = [local(t) for t in tensors]
         layout = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
         if layout != self._layout:  # buffers are scratch: only their layout must match
             self._buffers = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)

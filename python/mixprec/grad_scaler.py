@@ -5,7 +5,6 @@ skipped-step counter and a scale history."""
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections import abc, defaultdict
 from enum import Enum
 from typing import Any, Iterable, Optional, Union
@@ -13,6 +12,8 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from . import distributed as _dist
+from ._dtensor import local_all
 from ._loss_scale import Replicator, ScaleState, _check_number, check_and_unscale_, combine_found, validate_extra_state
 from ._step_guard import StepGuard
 
@@ -62,6 +63,9 @@ class GradScaler:
       :meth:`scale_history` materializes them (one sync).
     - Gradients of any mix of float32/float16/bfloat16 are checked in one pass per device, and
       float16 gradients may be unscaled (torch refuses them outside fused optimizers).
+    - Under torch.distributed, found_inf is agreed over ``process_group`` (None: the world;
+      ``mixprec.distributed.LOCAL``: none) before any step, as ShardedGradScaler does, so ranks
+      skip together (docs/distributed.md). FSDP2's DTensor gradients are handled shard by shard.
     - ``state_dict()`` adds ``hysteresis``, ``_hysteresis_tracker``, ``min_scale``, ``max_scale``
       and ``_skipped_steps`` to torch's keys; torch's scaler loads it (ignoring them), and this one
       loads torch's (keeping its own values for the missing keys). ``load_state_dict`` validates
@@ -71,11 +75,12 @@ class GradScaler:
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: Optional[float] = None, max_scale: Optional[float] = None,
-                 sync_skip: bool = False, history_size: int = 0) -> None:
+                 sync_skip: bool = False, history_size: int = 0, process_group: Any = None) -> None:
         self._device = device
         self._enabled = enabled
+        self._process_group = process_group
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn("mixprec.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            _dist.rank0_warn("mixprec.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         self._sync_skip = bool(sync_skip)
         if self._enabled:
@@ -157,7 +162,7 @@ class GradScaler:
                     grads.append(param.grad._values())
                 else:
                     grads.append(param.grad)
-        return grads
+        return local_all(grads)  # FSDP2's DTensor gradients: this rank's shards
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Optional[torch.Tensor],
                         found_inf: torch.Tensor, allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
@@ -170,6 +175,7 @@ class GradScaler:
         inv = Replicator(inv_scale) if inv_scale is not None else None
         with torch.no_grad():
             check_and_unscale_(grads, per_device, inv.get if inv is not None else None)
+        _dist.agree_found_inf_(per_device, self._process_group, found_inf.device)
         return per_device
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -237,7 +243,7 @@ class GradScaler:
         kwargs_ = kwargs
         has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
         if has_grad_scaler_kwarg:
-            warnings.warn(
+            _dist.rank0_warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
                 "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
                 "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",

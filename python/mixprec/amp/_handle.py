@@ -9,6 +9,7 @@ from typing import Iterator, Optional
 import torch
 
 from .._loss_scale import combine_found
+from ..distributed import agree_found_inf_
 from ._scaler import LossScaler, _amp_state
 
 
@@ -78,6 +79,7 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     if found is None:
         return
     combined = combine_found(found.values(), scale.device) if found else torch.zeros((), device=scale.device)
+    agree_found_inf_(combined, _amp_state.process_group)  # every rank skips, and scales, alike
     for opt in optimizers:
         opt._amp_stash.add_found(combined)
     if delay_overflow_check:

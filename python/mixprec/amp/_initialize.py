@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..distributed import has_dtensor_params
 from ._casts import apply_registry, patch_forward
 from ._optimizer import refresh_masters_from_model
 from ._process import process_optimizer
@@ -45,7 +46,7 @@ def _check_loss_scale_bounds(min_loss_scale: Any, max_loss_scale: Any) -> None:
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.**24,
-               *, dtype: Optional[torch.dtype] = None, scale_history: int = 0):
+               *, dtype: Optional[torch.dtype] = None, scale_history: int = 0, process_group: Any = None):
     """Initializes models and optimizers for mixed precision, as ``apex.amp.initialize`` did.
 
     Returns the models and optimizers in the shape given (one, a list, or the model alone when
@@ -68,7 +69,11 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     accept ``cast_model_type=torch.bfloat16``); loss scaling is then off by default (a static
     scale of 1: no check, no skip) unless ``loss_scale="dynamic"`` is passed. ``scale_history=n``
     keeps each loss scaler's last n (scale, overflow) pairs on the device for
-    :func:`mixprec.amp.scale_history`.
+    :func:`mixprec.amp.scale_history`. Under torch.distributed every overflow check is agreed
+    over ``process_group`` (None: the world group; ``mixprec.distributed.LOCAL``: none), so all
+    ranks skip the same steps: wrap the model in DistributedDataParallel after this call
+    (docs/distributed.md). Under FSDP2, O2/O3 go through ``fully_shard``'s MixedPrecisionPolicy
+    (``mixprec.distributed.mixed_precision_policy``) instead.
 
     Overrides are validated as Apex did (an O1 with master weights, a patched-function request
     outside O1, ... raise RuntimeError). Overflowing steps are skipped on the device with no
@@ -78,6 +83,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _amp_state.opt_properties = Properties()
     _amp_state.verbosity = verbosity
     _amp_state.deferred_updates = []
+    _amp_state.process_group = process_group
     if not enabled:
         return models if optimizers is None else (models, optimizers)
     if opt_level not in opt_levels:
@@ -166,6 +172,11 @@ def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_los
             raise RuntimeError(f"Incoming model is an instance of {type(model).__module__}.{type(model).__name__}. "
                                "Parallel wrappers should only be applied to the model(s) AFTER the model(s) have "
                                "been returned from amp.initialize.")
+        if props.cast_model_type in LOW_DTYPES and has_dtensor_params(model):
+            raise RuntimeError(f"amp.initialize: opt_level {props.opt_level} casts the model, but its parameters are "
+                               "DTensors (fully_shard): FSDP2 owns their storage. Use fully_shard(..., mp_policy="
+                               "mixprec.distributed.mixed_precision_policy('O2', dtype)) and no amp.initialize; see "
+                               "docs/distributed.md")
         for name, param in model.named_parameters():
             if param.is_floating_point() and param.dtype != torch.float32:
                 warn_or_err(f"Found param {name} with type {param.dtype}, expected torch.float32.\nWhen using "

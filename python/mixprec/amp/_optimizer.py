@@ -13,6 +13,8 @@ import torch
 from .. import _ops
 from .._loss_scale import check_and_unscale_, combine_found
 from .._step_guard import StepGuard
+from ..distributed import agree_found_inf_
+from ._scaler import _amp_state
 
 PLAIN, SWAP, FUSED_MASTERS = "plain", "swap", "fused_masters"
 
@@ -240,7 +242,9 @@ class AmpStash:
             # A clipped or summed gradient rescaled: make sure nothing overflowed on the way back.
             found: dict = {}
             check_and_unscale_([p.grad for p, _ in pairs], found)
-            self.add_found(combine_found(found.values(), self.found.device))
+            rescaled = combine_found(found.values(), self.found.device)
+            agree_found_inf_(rescaled, _amp_state.process_group)
+            self.add_found(rescaled)
         return s
 
     @torch.no_grad()

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from .._loss_scale import ScaleState
+from ..distributed import is_rank0
 
 logger = logging.getLogger("mixprec.amp")
 
@@ -17,9 +18,7 @@ logger = logging.getLogger("mixprec.amp")
 LOG_INTERVAL_S = 10.0
 
 
-def _is_rank0() -> bool:
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+_is_rank0 = is_rank0  # the name amp's modules use
 
 
 class _OverflowReporter:
@@ -119,6 +118,7 @@ class AmpState:
         self.max_loss_scale = 2.0**24
         self.deferred_updates: list[tuple[LossScaler, torch.Tensor]] = []
         self.hard_override = False
+        self.process_group = None  # found_inf is agreed over it (mixprec.distributed.agree_found_inf_)
 
     @property
     def initialized(self) -> bool:

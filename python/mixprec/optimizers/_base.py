@@ -8,6 +8,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from .._dtensor import dtensor_type, refuse_sharded
+
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
 
 
@@ -32,7 +34,10 @@ class FusedOptimizer(torch.optim.Optimizer):
       unscales and skips on the device;
     - ``state_dict()`` holds everything (moments, master weights, step counts) and loads with
       ``torch.load(weights_only=True)``; ``load_state_dict`` validates before changing anything and
-      keeps state dtypes (torch's loader would cast fp32 state to the parameter's fp16).
+      keeps state dtypes (torch's loader would cast fp32 state to the parameter's fp16);
+    - DTensor parameters (FSDP2's ``fully_shard``) get DTensor state and masters sharded like
+      them, and the op steps each rank's local shards; a step that needs norms of whole tensors
+      (``_sharded_unsupported``: LAMB, NovoGrad) raises NotImplementedError on sharded ones.
 
     Subclasses set ``_state_keys`` (per-parameter state tensors shaped like the parameter, besides
     ``master_param``), implement ``_init_state(p, group)`` and ``_step_group(...)``.
@@ -44,6 +49,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     # Group options that checkpoints of the classes a subclass can load (torch.optim's, Apex's)
     # do not have; the subclass fills them in after loading. Any other missing option is an error.
     _keys_foreign_checkpoints_lack: tuple[str, ...] = ()
+    # Why the step cannot run on FSDP2's shards (a norm of a whole tensor), or None: element-wise
+    # steps run on each rank's local shard of DTensor parameters, state and masters.
+    _sharded_unsupported: Optional[str] = None
 
     def __init__(self, params: Iterable[Any], defaults: dict, *, master_weights: bool = False,
                  set_grad_none: bool = True, capturable: bool = False):
@@ -87,6 +95,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         for index, group in enumerate(self.param_groups):  # all groups before any steps
             self._check_group(group, f"param group {index}")
+        self._check_sharding()
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -111,6 +120,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                              grad_scale=_device_scalar(grad_scale, device),
                              found_inf=_device_scalar(found_inf, device))
         return loss
+
+    def _check_sharding(self) -> None:
+        if self._sharded_unsupported is not None and dtensor_type() is not None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            refuse_sharded(type(self).__name__, params, self._sharded_unsupported)
 
     # -- helpers for subclasses --------------------------------------------------------------
     def _init_param_state(self, p: torch.Tensor, group: dict) -> None:
@@ -214,6 +228,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{where} must be a floating-point tensor")
                 if value.shape != p.shape:
                     raise ValueError(f"{where} has shape {tuple(value.shape)} but the parameter has {tuple(p.shape)}")
+                cls = dtensor_type()
+                if cls is not None and isinstance(value, cls) != isinstance(p, cls):
+                    raise ValueError(f"{where} is {'a DTensor' if isinstance(value, cls) else 'a plain tensor'} but the "
+                                     f"parameter is {'a DTensor' if isinstance(p, cls) else 'a plain tensor'}; load "
+                                     "sharded checkpoints with torch.distributed.checkpoint.state_dict."
+                                     "set_optimizer_state_dict (mixprec.distributed.CheckpointState)")
                 if key == "master_param" and value.dtype != torch.float32:
                     raise ValueError(f"{where} must be float32, got {value.dtype}")
                 if key != "master_param":

@@ -36,6 +36,7 @@ class FusedLAMB(FusedOptimizer):
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    _sharded_unsupported = "Its trust ratio and global gradient norm need norms of whole tensors."
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
                  amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
@@ -66,6 +67,7 @@ class FusedLAMB(FusedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_sharding()
         self._grad_norms = self._global_grad_norms()
         try:
             super().step()

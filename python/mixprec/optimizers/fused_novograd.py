@@ -43,6 +43,7 @@ class FusedNovoGrad(FusedOptimizer):
     """
 
     _state_keys = ("exp_avg",)
+    _sharded_unsupported = "Its second moments are norms of whole gradient tensors."
 
     # Apex keeps reg_inside_moment on the optimizer, not in its groups.
     _keys_foreign_checkpoints_lack = ("reg_inside_moment",)
