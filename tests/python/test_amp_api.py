@@ -307,7 +307,9 @@ def test_ddp_after_initialize_matches_plain_run(gen, tmp_path):
             model = make_model(torch.Generator().manual_seed(0), "cpu")
             model.load_state_dict(model0.state_dict())
             opt = FusedAdam(model.parameters(), lr=1e-2)
-            model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+            # Low outputs (O1 casts them to fp32 by default): they show the autocast inside DDP.
+            model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0,
+                                        cast_model_outputs=torch.bfloat16)
             runner = torch.nn.parallel.DistributedDataParallel(model) if use_ddp else model
             for x in data:
                 opt.zero_grad()
@@ -324,7 +326,8 @@ def test_ddp_after_initialize_matches_plain_run(gen, tmp_path):
 
 def test_torch_compile_after_initialize(gen):
     model, opt = model_and_opt(gen)
-    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0,
+                                cast_model_outputs=torch.bfloat16)  # low outputs show the autocast
     model.eval()
     x = torch.randn(16, 8)
     compiled = torch.compile(model, backend="eager")
