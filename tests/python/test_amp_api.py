@@ -271,6 +271,25 @@ def test_overflow_skips_every_optimizer_of_the_block(gen):
     assert amp.loss_scale() == 2.0**15
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_cpu_skip_of_a_torch_optimizer_reads_found_inf_and_runs_no_step(level, gen):
+    # On the CPU found_inf is read on the host (it waits for nothing there) instead of the
+    # device-side snapshot and select: the skipped step calls no step() and creates no state.
+    model, opt = model_and_opt(gen)  # torch Adam: no state before its first step
+    model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.float16, verbosity=0)
+    calls = []
+    inner = opt._amp_stash.orig_step
+    opt._amp_stash.orig_step = lambda *a, **k: calls.append(1) or inner(*a, **k)
+    before = [p.detach().clone() for p in model.parameters()]
+    step(model, opt, poison=math.nan)
+    assert calls == [] and not opt.state, "a skipped step must not run the optimizer"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt._amp_stash.guard._layout is None, "no snapshot was taken"
+    step(model, opt)
+    assert calls == [1] and any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert amp.skipped_steps() == 1
+
+
 def test_delay_overflow_check_updates_at_the_step(gen):
     model, opt = model_and_opt(gen, kind="fused")
     model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
