@@ -163,6 +163,8 @@ def build_variants(args, device: torch.device, dtype: torch.dtype, data, only) -
 
         variants.append(Variant(name, step, "mixprec", skipped, session.activate, session.deactivate))
 
+    # O1 with torch's AdamW: amp's own overhead against the peer, with the same optimizer kernel.
+    amp_variant("mixprec.amp O1 + torch AdamW", "O1", tadam)
     amp_variant("mixprec.amp O1 + mixprec FusedAdam", "O1", fused_adam)
     amp_variant("mixprec.amp O2 + mixprec FusedAdam", "O2", fused_adam)
     amp_variant("mixprec.amp O2 + torch AdamW (Apex-style masters)", "O2", tadam)
