@@ -2,8 +2,13 @@
 import FusedAdam`` resolve to mixprec when no real apex is installed.
 
 Turn it on with ``mixprec.enable_apex_alias()`` or the environment variable
-``MIXPREC_APEX_ALIAS=1`` (read by ``import mixprec``). A finder is appended to ``sys.meta_path``,
-so it is consulted only after every normal finder failed: an installed apex always wins.
+``MIXPREC_APEX_ALIAS=1``. The variable is read at interpreter start-up by the
+``mixprec_apex_alias.pth`` file the wheel puts at the root of site-packages (source:
+``python/mixprec_apex_alias.pth``), so Apex scripts that never ``import mixprec`` get the alias;
+that line imports nothing, and imports mixprec only when ``import apex`` finds no real apex.
+``import mixprec`` reads it too (for source checkouts on PYTHONPATH). A finder is appended to
+``sys.meta_path``, so it is consulted only after every normal finder failed: an installed apex
+always wins.
 """
 
 from __future__ import annotations
@@ -82,20 +87,6 @@ def disable_apex_alias() -> None:
     if getattr(sys.modules.get("apex"), "__mixprec_alias__", False):
         for name in list(ALIASES):
             sys.modules.pop(name, None)
-
-
-#: One line for a ``.pth`` file in site-packages, so that ``MIXPREC_APEX_ALIAS=1`` also works
-#: for scripts that never ``import mixprec`` (Apex's examples start with ``from apex import amp``).
-#: It costs nothing at startup: a hook is put last on ``sys.meta_path`` and imports mixprec only
-#: when ``import apex`` found no real apex.
-PTH_LINE = (
-    "import os, sys; exec(\"if os.environ.get('MIXPREC_APEX_ALIAS', '').strip().lower() in "
-    "('1', 'true', 'yes', 'on'):\\n class _MixprecApexHook:\\n  @staticmethod\\n"
-    "  def find_spec(name, path=None, target=None):\\n   if name != 'apex': return None\\n"
-    "   sys.meta_path.remove(_MixprecApexHook)\\n   import mixprec.apex_alias as a\\n"
-    "   return a._ApexAliasFinder().find_spec(name) if a.enable_apex_alias() else None\\n"
-    " sys.meta_path.append(_MixprecApexHook)\")"
-)
 
 
 def enable_from_env() -> bool:

@@ -30,6 +30,25 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
+_TAKES_GRAD_SCALER: WeakKeyDictionary = WeakKeyDictionary()
+
+
+def _takes_grad_scaler(step) -> bool:
+    """Whether ``step`` has torch's deprecated ``grad_scaler`` keyword, cached per function:
+    inspect.signature costs tens of microseconds, a large part of a small model's step."""
+    func = getattr(step, "__func__", step)
+    try:
+        return _TAKES_GRAD_SCALER[func]
+    except (KeyError, TypeError):  # TypeError: not weak-referenceable (then not cached)
+        pass
+    takes = "grad_scaler" in inspect.signature(step).parameters
+    try:
+        _TAKES_GRAD_SCALER[func] = takes
+    except TypeError:
+        pass
+    return takes
+
+
 class GradScaler:
     """Gradient scaling with ``torch.amp.GradScaler``'s constructor, methods and state_dict keys.
 
@@ -55,7 +74,9 @@ class GradScaler:
       first step, which creates the optimizer's state). Param groups of GPU params with a
       ``capturable`` option are switched to ``capturable=True`` so the step reads nothing from the
       host. ``sync_skip=True`` restores torch's behaviour instead: read found_inf on the host and
-      skip ``step()`` (one sync per step, no extra memory, no capturable switch).
+      skip ``step()`` (one sync per step, no extra memory, no capturable switch). The default,
+      ``sync_skip=None``, does that only where found_inf lives in host memory (CPU training),
+      since reading it there waits for nothing; ``sync_skip=False`` forces the device path.
     - ``hysteresis``: back off only on the ``hysteresis``-th overflow since the scale last changed
       (as Megatron's scaler); ``min_scale`` / ``max_scale`` bound the scale.
     - ``skipped_steps`` (property; syncs when read) counts updates that saw an overflow.
@@ -75,14 +96,14 @@ class GradScaler:
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: Optional[float] = None, max_scale: Optional[float] = None,
-                 sync_skip: bool = False, history_size: int = 0, process_group: Any = None) -> None:
+                 sync_skip: Optional[bool] = None, history_size: int = 0, process_group: Any = None) -> None:
         self._device = device
         self._enabled = enabled
         self._process_group = process_group
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
             _dist.rank0_warn("mixprec.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
-        self._sync_skip = bool(sync_skip)
+        self._sync_skip = None if sync_skip is None else bool(sync_skip)
         if self._enabled:
             if growth_factor <= 1.0:
                 raise AssertionError("The growth factor must be > 1.0.")
@@ -208,7 +229,7 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Optional[float]:
         """Unscales (unless :meth:`unscale_` was called) and steps ``optimizer``; a step whose
         gradients hold inf/NaN changes nothing. Returns ``optimizer.step``'s result (which, unlike
-        torch's scaler, also runs for a skipped step unless ``sync_skip=True``)."""
+        torch's scaler, also runs for a skipped step on the device path; see ``sync_skip``)."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -225,8 +246,12 @@ class GradScaler:
             self.unscale_(optimizer)
         if len(optimizer_state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        found = combine_found(optimizer_state["found_inf_per_device"].values(), self._state.scale.device)
-        if self._sync_skip:
+        per_device = optimizer_state["found_inf_per_device"]
+        found = combine_found(per_device.values(), self._state.scale.device)
+        sync_skip = self._sync_skip
+        if sync_skip is None:  # host memory: reading found_inf is free, snapshotting is not
+            sync_skip = found.device.type == "cpu" and all(d.type == "cpu" for d in per_device)
+        if sync_skip:
             retval = optimizer.step(*args, **kwargs) if not found.item() else None
         else:
             guard = self._guards.get(optimizer)
@@ -241,7 +266,7 @@ class GradScaler:
         # The optimizer unscales and skips in its own kernel: hand it the scale and found_inf as
         # attributes (torch's contract), or itself through the deprecated grad_scaler keyword.
         kwargs_ = kwargs
-        has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+        has_grad_scaler_kwarg = _takes_grad_scaler(optimizer.step)
         if has_grad_scaler_kwarg:
             _dist.rank0_warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "

@@ -4,10 +4,13 @@
 # interpreter, so no alias leaks into this process.
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -158,18 +161,52 @@ def test_a_real_apex_always_wins(tmp_path):
         print("REAL")
     ''', tmp_path, {"MIXPREC_APEX_ALIAS": "1"}, pythonpath=str(tmp_path / "site"))
     assert r.returncode == 0 and "REAL" in r.stdout, r.stderr
+    # The start-up hook too: it is never reached, so mixprec is not even imported.
+    r = run_python(pth_prelude(tmp_path) + textwrap.dedent('''
+        import sys
+        import apex
+        from apex import amp
+        assert apex.REAL and amp.REAL_AMP and "mixprec" not in sys.modules
+        print("REAL")
+    '''), tmp_path, {"MIXPREC_APEX_ALIAS": "1"}, pythonpath=str(tmp_path / "site"))
+    assert r.returncode == 0 and "REAL" in r.stdout, r.stderr
 
 
-def pth_hook() -> str:
-    """What site-packages' .pth line runs at startup (the env-var path for scripts that never
-    import mixprec)."""
-    from mixprec.apex_alias import PTH_LINE
+# -- the .pth start-up hook: MIXPREC_APEX_ALIAS for scripts that never import mixprec ------------
+REPO_PTH = Path(__file__).resolve().parents[2] / "python" / "mixprec_apex_alias.pth"
 
-    return PTH_LINE + "\n"
+
+def installed_site() -> Path | None:
+    """The site-packages holding the mixprec under test when it is an installed wheel (as in
+    CI), else None (a source checkout on PYTHONPATH: no .pth was installed)."""
+    spec = importlib.util.find_spec("mixprec")
+    root = Path(spec.origin).resolve().parent.parent
+    return root if root.name in ("site-packages", "dist-packages") else None
+
+
+def pth_prelude(tmp_path) -> str:
+    """What makes a subprocess see the .pth as interpreter start-up does: nothing when the wheel
+    installed it (start-up already ran it); otherwise the repository's file through
+    site.addsitedir, which runs a .pth's lines exactly as start-up does."""
+    if installed_site() is not None:
+        return ""
+    site_dir = tmp_path / "pth_site"
+    site_dir.mkdir(exist_ok=True)
+    shutil.copy(REPO_PTH, site_dir / REPO_PTH.name)
+    return f"import site; site.addsitedir({str(site_dir)!r})\n"
+
+
+def test_the_wheel_installs_the_pth_at_site_packages_root():
+    site_dir = installed_site()
+    if site_dir is None:
+        pytest.skip("mixprec runs from a source checkout: the wheel's .pth is not installed here")
+    installed = site_dir / REPO_PTH.name
+    assert installed.is_file(), f"the wheel must install {REPO_PTH.name} in {site_dir}"
+    assert installed.read_text() == REPO_PTH.read_text()
 
 
 def test_pth_hook_is_free_until_apex_is_imported(tmp_path):
-    r = run_python(pth_hook() + textwrap.dedent('''
+    r = run_python(pth_prelude(tmp_path) + textwrap.dedent('''
         import sys
         assert "mixprec" not in sys.modules and "torch" not in sys.modules, "the hook must import nothing"
         from apex.optimizers import FusedAdam
@@ -177,21 +214,45 @@ def test_pth_hook_is_free_until_apex_is_imported(tmp_path):
         assert FusedAdam is mixprec.optimizers.FusedAdam
         print("LAZY")
     '''), tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
-    assert r.returncode == 0 and "LAZY" in r.stdout, r.stderr
-    r = run_python(pth_hook() + "import sys\ntry:\n import apex\nexcept ImportError:\n print('OFF', 'mixprec' in sys.modules)",
-                   tmp_path, {"MIXPREC_APEX_ALIAS": "0"})
-    assert r.returncode == 0 and "OFF False" in r.stdout, r.stderr
+    assert r.returncode == 0 and "LAZY" in r.stdout and not r.stderr, r.stderr
+    for off in ("0", "", "no"):
+        r = run_python(pth_prelude(tmp_path) + textwrap.dedent('''
+            import sys
+            hooks = [f for f in sys.meta_path if "Hook" in getattr(f, "__name__", "")]
+            try:
+                import apex
+            except ImportError:
+                print("OFF", "mixprec" in sys.modules, hooks)
+        '''), tmp_path, {"MIXPREC_APEX_ALIAS": off})
+        assert r.returncode == 0 and "OFF False []" in r.stdout and not r.stderr, (off, r.stdout, r.stderr)
+
+
+def test_pth_never_breaks_start_up_and_names_a_broken_mixprec(tmp_path):
+    # A mixprec that fails to import (a broken build) shadows the real one: the interpreter still
+    # starts silently, and only `import apex` fails, saying why.
+    broken = tmp_path / "broken" / "mixprec"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise RuntimeError('broken build')\n")
+    r = run_python(pth_prelude(tmp_path) + textwrap.dedent('''
+        print("UP")
+        try:
+            import apex
+        except ImportError as e:
+            print("ERR", e)
+    '''), tmp_path, {"MIXPREC_APEX_ALIAS": "1"}, pythonpath=str(tmp_path / "broken"))
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    assert "UP" in r.stdout and "MIXPREC_APEX_ALIAS" in r.stdout and "broken build" in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize("opt_in", ["one_line", "env"])
 def test_apex_documented_example_runs_unchanged_on_cpu(opt_in, tmp_path):
     # The documented one-line opt-in, or the environment variable with the .pth hook.
-    prelude = "import mixprec; mixprec.enable_apex_alias()\n" if opt_in == "one_line" else pth_hook()
+    prelude = "import mixprec; mixprec.enable_apex_alias()\n" if opt_in == "one_line" else pth_prelude(tmp_path)
     r = run_python(prelude + CPU_PRELUDE + APEX_EXAMPLE + CHECK, tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
     assert r.returncode == 0 and "EXAMPLE-OK True" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.cuda
 def test_apex_documented_example_runs_unchanged_on_cuda(tmp_path):
-    r = run_python(pth_hook() + APEX_EXAMPLE + CHECK, tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
+    r = run_python(pth_prelude(tmp_path) + APEX_EXAMPLE + CHECK, tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
     assert r.returncode == 0 and "EXAMPLE-OK True" in r.stdout, r.stdout + r.stderr

@@ -186,7 +186,8 @@ def assert_all_unchanged(before, model, opt, what):
 def test_non_fused_skip_leaves_params_and_state_bit_identical(device, opt_name, bad, gen):
     model = make_model(gen, device)
     opt = OPT_ZOO[opt_name](model.parameters())
-    scaler = GradScaler(torch.device(device).type, init_scale=2.0**8, growth_interval=1000)
+    # sync_skip=False: the device-side skip, also on the CPU (where the default reads found_inf).
+    scaler = GradScaler(torch.device(device).type, init_scale=2.0**8, growth_interval=1000, sync_skip=False)
     data = make_data(gen, device, 5)
 
     def backward(step):
@@ -224,6 +225,66 @@ def test_non_fused_skip_leaves_params_and_state_bit_identical(device, opt_name, 
     scaler.step(opt)
     scaler.update()
     assert any(not torch.equal(a, p) for a, p in zip(before[0], model.parameters()))
+
+
+@pytest.mark.parametrize("sync_skip", [None, True])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw_amsgrad_loop"])
+def test_host_skip_on_the_cpu_runs_no_step_and_changes_nothing(opt_name, sync_skip, gen):
+    # On the CPU the default reads found_inf (free there) instead of snapshotting: a skipped step
+    # does not call step() at all, as with torch's scaler; sync_skip=True does so on any device.
+    model = make_model(gen, "cpu")
+    opt = OPT_ZOO[opt_name](model.parameters())
+    calls = []
+    original = opt.step
+    opt.step = lambda *a, **k: calls.append(1) or original(*a, **k)
+    scaler = GradScaler("cpu", init_scale=2.0**8, growth_interval=1000, sync_skip=sync_skip)
+    data = make_data(gen, "cpu", 4)
+    for step, bad in enumerate([math.inf, None, math.nan, None]):
+        opt.zero_grad()
+        x, y = data[step]
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if bad is not None:
+            poison_grad(model, bad, step + 3)
+        before = snapshot_all(model, opt)
+        n = len(calls)
+        result = scaler.step(opt)
+        scaler.update()
+        if bad is not None:
+            assert result is None and len(calls) == n, "a skipped step must not call step()"
+            assert_all_unchanged(before, model, opt, f"{opt_name}: skipped step {step}")
+        else:
+            assert len(calls) == n + 1
+            assert any(not torch.equal(a, p) for a, p in zip(before[0], model.parameters()))
+    assert opt not in scaler._guards, "no snapshot buffers on the host path"
+    assert scaler.skipped_steps == 2
+
+
+def test_grad_scaler_keyword_is_detected_per_step_function(gen):
+    # torch's deprecated protocol: a fused optimizer whose step takes grad_scaler= gets the
+    # scaler itself. The check is cached per function, so two classes must not share an answer.
+    class OldProtocol(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            self.seen = grad_scaler
+            return "old"
+
+    model = make_model(gen, "cpu")
+    old = OldProtocol(model.parameters(), lr=0.1)
+    new = FusedAdam(model.parameters(), lr=1e-2)
+    scaler = GradScaler("cpu")
+    for _ in range(2):  # the second round reads the cache
+        for opt in (old, new):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+        with pytest.warns(FutureWarning, match="stop passing itself"):
+            assert scaler.step(old) == "old"
+        assert old.seen is scaler
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            scaler.step(new)
+        assert not hasattr(new, "grad_scale") and not hasattr(new, "found_inf")
+        scaler._per_optimizer_states.clear()  # old never recorded found_inf: reset the iteration
 
 
 def reference_scales(found: list[bool], init, growth, backoff, interval, hysteresis=1, lo=0.0, hi=0.0):

@@ -31,6 +31,10 @@ def _patched_step(self, *args: Any, **kwargs: Any):
         finally:
             del self.grad_scale
             del self.found_inf
+    elif found is not None and found.device.type == "cpu":
+        # Host memory: reading found_inf waits for nothing, while the device-side undo would
+        # snapshot and select every param and state tensor. A skipped step runs no step().
+        retval = stash.orig_step(*args, **kwargs) if not found.item() else None
     elif found is not None:
         StepGuard.make_capturable(self)
         retval = stash.guard.step(self, found, stash.orig_step, *args, **kwargs)
