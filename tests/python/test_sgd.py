@@ -638,15 +638,22 @@ def test_op_more_tensors_than_one_launch(device, gen, rng):
     four lists); each tensor is checked on its own."""
     sizes = [rng.randint(1, 40) for _ in range(1500)]
     t = op_lists(sizes, device, gen, dtype=torch.bfloat16, grad_dtype=torch.float16, master=True)
+    before = {k: [x.double().cpu() for x in t[k]] for k in ("master_params", "grads", "momentum_buffers")}
     ref = op_reference(t, step=7, **OP_HYPER)
     op_call(t, step=7, **OP_HYPER)
     check_op_result(t, ref, 1e-5, "many tensors")
     offsets = [0]
     for n in sizes:
         offsets.append(offsets[-1] + n)
+    # Per tensor, the error is judged against the size of the terms that were summed, not of the
+    # result: a 1-element buffer whose terms nearly cancel has a tiny result, and fp32 rounding of
+    # the terms (a few ulps of each) is then a large share of it, with the kernel still right.
     for i, (m, b) in enumerate(zip(t["master_params"], t["momentum_buffers"])):
-        assert_rel_err(m, ref[0][offsets[i]:offsets[i + 1]], 1e-5, f"master_params[{i}]")
-        assert_rel_err(b, ref[1][offsets[i]:offsets[i + 1]], 1e-5, f"momentum_buffers[{i}]")
+        terms = torch.stack([before[k][i].abs() for k in before]).sum(0).norm()
+        for name, got, want in (("master_params", m, ref[0]), ("momentum_buffers", b, ref[1])):
+            want = want[offsets[i]:offsets[i + 1]]
+            err = (got.double().cpu() - want.cpu()).norm()
+            assert err <= 1e-5 * max(want.norm(), terms), f"{name}[{i}]: error {err:.3e}, terms {terms:.3e}"
 
 
 def test_op_zero_size_and_empty_lists(device, gen):
