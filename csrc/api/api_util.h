@@ -6,11 +6,12 @@
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
 
-#include <tuple>
-
 #include <cmath>
 #include <optional>
 #include <string>
+#include <tuple>
+
+#include "ops/format.h"  // num(), shape(): numbers in errors never go through std::ostream (see there)
 
 namespace mixprec::detail::api {
 
@@ -62,13 +63,13 @@ inline void write_optional_double(torch::serialize::OutputArchive& archive, cons
 
 // Hyper-parameter checks with the Python front's rules; errors name `where` and the field.
 inline void check_finite_nonneg(const std::string& where, const char* name, double v) {
-  TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0, where, ": invalid ", name, " ", v, "; it must be finite and >= 0");
+  TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0, where, ": invalid ", name, " ", num(v), "; it must be finite and >= 0");
 }
 
 inline void check_betas(const std::string& where, const std::tuple<double, double>& betas) {
   const double b1 = std::get<0>(betas), b2 = std::get<1>(betas);
-  TORCH_CHECK_VALUE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, where, ": invalid betas (", b1, ", ", b2,
-                    "); each must be in [0, 1)");
+  TORCH_CHECK_VALUE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, where, ": invalid betas (", num(b1), ", ",
+                    num(b2), "); each must be in [0, 1)");
 }
 
 inline void write_betas(torch::serialize::OutputArchive& archive, const std::tuple<double, double>& betas) {

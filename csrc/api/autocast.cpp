@@ -12,7 +12,8 @@ AutocastGuard::AutocastGuard(c10::DeviceType device_type, std::optional<c10::Sca
     : device_type_(device_type) {
   // Everything is checked before any state changes, so a failed construction changes nothing.
   TORCH_CHECK_VALUE(at::autocast::is_autocast_available(device_type),
-                    "mixprec::amp::AutocastGuard: autocast is not available for device type ", device_type);
+                    "mixprec::amp::AutocastGuard: autocast is not available for device type ",
+                    c10::DeviceTypeName(device_type, /*lower_case=*/true));
   const c10::ScalarType d = dtype.value_or(at::autocast::get_autocast_dtype(device_type));
   TORCH_CHECK_VALUE(d == c10::kHalf || d == c10::kBFloat16, "mixprec::amp::AutocastGuard: dtype must be float16 or ",
                     "bfloat16, got ", d);

@@ -48,7 +48,7 @@ void FusedAdamOptions::serialize(torch::serialize::InputArchive& archive) {
   master_weights_ = read_bool(archive, "master_weights", w);
   const int64_t dt = read_int(archive, "state_dtype", w);
   TORCH_CHECK_VALUE(dt == static_cast<int64_t>(c10::kFloat) || dt == static_cast<int64_t>(c10::kBFloat16), w,
-                    ": 'state_dtype' must be float32 or bfloat16, got code ", dt);
+                    ": 'state_dtype' must be float32 or bfloat16, got code ", detail::num(dt));
   state_dtype_ = static_cast<c10::ScalarType>(dt);
 }
 

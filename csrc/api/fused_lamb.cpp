@@ -66,7 +66,7 @@ void FusedLAMBOptions::check(const std::string& where) const {
   check_finite_nonneg(where, "eps", eps_);
   check_betas(where, betas_);
   check_finite_nonneg(where, "weight_decay", weight_decay_);
-  TORCH_CHECK_VALUE(max_grad_norm_ >= 0, where, ": invalid max_grad_norm ", max_grad_norm_,
+  TORCH_CHECK_VALUE(max_grad_norm_ >= 0, where, ": invalid max_grad_norm ", detail::num(max_grad_norm_),
                     "; it must be >= 0 (0 or inf: no clipping)");
 }
 

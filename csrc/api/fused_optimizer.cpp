@@ -86,8 +86,8 @@ void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& pa
 }
 
 const FusedOptions& FusedOptimizer::options_of(size_t group) const {
-  TORCH_CHECK_INDEX(group < param_groups_.size(), name_, ": no param group ", group, " (there are ",
-                    param_groups_.size(), ")");
+  TORCH_CHECK_INDEX(group < param_groups_.size(), name_, ": no param group ", detail::num(group),
+                    " (there are ", detail::num(param_groups_.size()), ")");
   const auto& g = param_groups_[group];
   TORCH_CHECK(g.has_options(), group_where(name_, group), " has no options");
   const FusedOptions* o = cast_options(g.options());
@@ -106,7 +106,7 @@ FusedParamState& FusedOptimizer::state_of(const at::Tensor& p) {
 
 at::Tensor& FusedOptimizer::group_tensor(size_t group, const std::string& key) {
   sync_group_slots();
-  TORCH_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", group);
+  TORCH_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
   return group_tensors_[group][key];
 }
 
@@ -117,7 +117,7 @@ void FusedOptimizer::sync_group_slots() const {
 
 at::Tensor FusedOptimizer::step_count_tensor(size_t group) const {
   sync_group_slots();
-  TORCH_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", group);
+  TORCH_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
   const auto it = group_tensors_[group].find("step");
   return it == group_tensors_[group].end() ? at::Tensor() : it->second;
 }
@@ -183,8 +183,8 @@ void FusedOptimizer::set_master(const at::Tensor& param, const at::Tensor& maste
   TORCH_CHECK_VALUE(found, name_, ".set_master: the tensor is not a parameter of this optimizer");
   TORCH_CHECK_TYPE(master.scalar_type() == at::kFloat, name_, ".set_master: a master must be float32, got ",
                    master.scalar_type());
-  TORCH_CHECK_VALUE(master.sizes() == param.sizes(), name_, ".set_master: the master has shape ", master.sizes(),
-                    " but the parameter has ", param.sizes());
+  TORCH_CHECK_VALUE(master.sizes() == param.sizes(), name_, ".set_master: the master has shape ",
+                    detail::shape(master.sizes()), " but the parameter has ", detail::shape(param.sizes()));
   state_of(param).master_param(
       master.detach().to(param.device(), at::kFloat, false, /*copy=*/true, at::MemoryFormat::Contiguous));
 }
@@ -226,7 +226,8 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     Work w{i, &o, {}};
     for (const auto& p : param_groups_[i].params()) {
       if (!p.grad().defined()) continue;
-      TORCH_CHECK(!p.grad().is_sparse(), name_, " does not support sparse gradients (param group ", i, ")");
+      TORCH_CHECK(!p.grad().is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(i),
+                  ")");
       if (!w.params.empty())
         TORCH_CHECK_VALUE(p.device() == w.params[0].device(), group_where(name_, i), " mixes devices (",
                           w.params[0].device(), " and ", p.device(), "); put each device's params in its own group");
@@ -313,8 +314,8 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
   const std::string saved_name = read_string(archive, "optimizer", where);
   TORCH_CHECK_VALUE(saved_name == name_, where, ": the checkpoint is of ", saved_name);
   const int64_t n_groups = read_int(archive, "param_groups/size", where);
-  TORCH_CHECK_VALUE(n_groups == static_cast<int64_t>(param_groups_.size()), where, ": the checkpoint has ", n_groups,
-                    " param groups, this optimizer has ", param_groups_.size());
+  TORCH_CHECK_VALUE(n_groups == static_cast<int64_t>(param_groups_.size()), where, ": the checkpoint has ",
+                    detail::num(n_groups), " param groups, this optimizer has ", detail::num(param_groups_.size()));
 
   // Everything is read and checked into these first; the optimizer changes only at the end.
   std::vector<std::unique_ptr<FusedOptions>> new_options;
@@ -327,8 +328,8 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
     TORCH_CHECK_VALUE(archive.try_read("param_groups/" + std::to_string(i), group_archive), gw,
                       " is missing from the checkpoint");
     const int64_t n_params = read_int(group_archive, "params/size", gw);
-    TORCH_CHECK_VALUE(n_params == static_cast<int64_t>(g.params().size()), gw, " has ", n_params,
-                      " params in the checkpoint but ", g.params().size(), " here");
+    TORCH_CHECK_VALUE(n_params == static_cast<int64_t>(g.params().size()), gw, " has ",
+                      detail::num(n_params), " params in the checkpoint but ", detail::num(g.params().size()), " here");
     for (const auto& p : g.params()) param_at.emplace_back(i, p);
 
     torch::serialize::InputArchive options_archive;
@@ -351,7 +352,7 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
                           " is not a tensor");
         if (key == "step") {
           TORCH_CHECK_VALUE(t.numel() == 1 && !t.is_complex(), tw,
-                            " must hold one number, got shape ", t.sizes());
+                            " must hold one number, got shape ", detail::shape(t.sizes()));
           t = t.to(device, at::kFloat).reshape({1}).clone();
         } else {
           t = checked_group_tensor(tw, key, t, g).to(device);
@@ -369,17 +370,20 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
       char* end = nullptr;
       const long long k = std::strtoll(key.c_str(), &end, 10);
       TORCH_CHECK_VALUE(!key.empty() && *end == '\0' && k >= 0 && k < static_cast<long long>(param_at.size()), where,
-                        ": state for unknown parameter '", key, "' (the optimizer has ", param_at.size(), " params)");
+                        ": state for unknown parameter '", key, "' (the optimizer has ",
+                        detail::num(param_at.size()), " params)");
       const size_t group = param_at[k].first;
       const at::Tensor& p = param_at[k].second;
       const FusedOptions& o = *new_options[group];
       torch::serialize::InputArchive param_archive;
-      TORCH_CHECK_VALUE(state_archive.try_read(key, param_archive), where, ": state[", k, "] is not a state record");
+      TORCH_CHECK_VALUE(state_archive.try_read(key, param_archive), where, ": state[", detail::num(k),
+                        "] is not a state record");
       std::unique_ptr<FusedParamState> s = make_state();
       std::set<std::string> known;
       for (const auto& slot : s->slots()) known.insert(slot.first);
       for (const std::string& pk : param_archive.keys())
-        TORCH_CHECK_VALUE(known.count(pk) != 0, where, ": state[", k, "]['", pk, "'] is not state ", name_, " knows");
+        TORCH_CHECK_VALUE(known.count(pk) != 0, where, ": state[", detail::num(k), "]['", pk,
+                          "'] is not state ", name_, " knows");
       s->serialize(param_archive);
       bool any = false;
       for (const auto& slot : s->slots()) {
@@ -388,7 +392,8 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
         any = true;
         const std::string sw = where + ": state[" + std::to_string(k) + "]['" + slot.first + "']";
         TORCH_CHECK_TYPE(t.is_floating_point(), sw, " must be a floating-point tensor, got ", t.scalar_type());
-        TORCH_CHECK_VALUE(t.sizes() == p.sizes(), sw, " has shape ", t.sizes(), " but the parameter has ", p.sizes());
+        TORCH_CHECK_VALUE(t.sizes() == p.sizes(), sw, " has shape ", detail::shape(t.sizes()),
+                          " but the parameter has ", detail::shape(p.sizes()));
         if (std::string(slot.first) == "master_param") {
           TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, sw, " must be float32, got ", t.scalar_type());
         } else {
@@ -398,8 +403,8 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
       }
       TORCH_CHECK_VALUE(!any || !o.uses_master_weights() || p.scalar_type() == at::kFloat ||
                             s->master_param().defined(),
-                        where, ": state[", k, "] has no 'master_param' but master weights are on and the parameter is ",
-                        p.scalar_type());
+                        where, ": state[", detail::num(k),
+                        "] has no 'master_param' but master weights are on and the parameter is ", p.scalar_type());
       if (any) new_state[p.unsafeGetTensorImpl()] = std::move(s);
     }
   }

@@ -58,7 +58,7 @@ void FusedSGDOptions::check(const std::string& where) const {
   check_finite_nonneg(where, "learning rate", lr_);
   check_finite_nonneg(where, "momentum", momentum_);
   check_finite_nonneg(where, "weight_decay", weight_decay_);
-  TORCH_CHECK_VALUE(std::isfinite(dampening_), where, ": invalid dampening ", dampening_);
+  TORCH_CHECK_VALUE(std::isfinite(dampening_), where, ": invalid dampening ", detail::num(dampening_));
   TORCH_CHECK_VALUE(!nesterov_ || (momentum_ > 0 && dampening_ == 0), where,
                     ": Nesterov momentum requires a momentum and zero dampening");
 }

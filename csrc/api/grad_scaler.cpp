@@ -21,21 +21,22 @@ constexpr const char* kName = "mixprec::amp::GradScaler";
 
 void check_options(const GradScalerOptions& o, const std::string& where) {
   TORCH_CHECK_VALUE(std::isfinite(o.init_scale()) && o.init_scale() > 0, where, ": init_scale must be finite and > 0, got ",
-                    o.init_scale());
+                    detail::num(o.init_scale()));
   TORCH_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1, where,
-                    ": growth_factor must be > 1, got ", o.growth_factor());
+                    ": growth_factor must be > 1, got ", detail::num(o.growth_factor()));
   TORCH_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1, where, ": backoff_factor must be in (0, 1), got ",
-                    o.backoff_factor());
-  TORCH_CHECK_VALUE(o.growth_interval() >= 1, where, ": growth_interval must be >= 1, got ", o.growth_interval());
-  TORCH_CHECK_VALUE(o.hysteresis() >= 1, where, ": hysteresis must be >= 1, got ", o.hysteresis());
+                    detail::num(o.backoff_factor()));
+  TORCH_CHECK_VALUE(o.growth_interval() >= 1, where, ": growth_interval must be >= 1, got ",
+                    detail::num(o.growth_interval()));
+  TORCH_CHECK_VALUE(o.hysteresis() >= 1, where, ": hysteresis must be >= 1, got ", detail::num(o.hysteresis()));
   if (o.min_scale())
     TORCH_CHECK_VALUE(std::isfinite(*o.min_scale()) && *o.min_scale() >= 0, where,
-                      ": min_scale must be finite and >= 0, got ", *o.min_scale());
+                      ": min_scale must be finite and >= 0, got ", detail::num(*o.min_scale()));
   if (o.max_scale())
-    TORCH_CHECK_VALUE(*o.max_scale() > 0, where, ": max_scale must be > 0, got ", *o.max_scale());
+    TORCH_CHECK_VALUE(*o.max_scale() > 0, where, ": max_scale must be > 0, got ", detail::num(*o.max_scale()));
   if (o.min_scale() && o.max_scale())
-    TORCH_CHECK_VALUE(*o.max_scale() >= *o.min_scale(), where, ": max_scale (", *o.max_scale(),
-                      ") must be >= min_scale (", *o.min_scale(), ")");
+    TORCH_CHECK_VALUE(*o.max_scale() >= *o.min_scale(), where, ": max_scale (",
+                      detail::num(*o.max_scale()), ") must be >= min_scale (", detail::num(*o.min_scale()), ")");
 }
 
 bool op_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
@@ -197,7 +198,7 @@ void GradScaler::update(double new_scale) {
   if (!options_.enabled()) return;
   check_initialized("update");
   TORCH_CHECK_VALUE(std::isfinite(new_scale) && new_scale > 0, kName, ": new_scale must be finite and > 0, got ",
-                    new_scale);
+                    detail::num(new_scale));
   std::vector<at::Tensor> found;
   for (const auto& kv : per_optimizer_)
     for (const auto& f : kv.second.found_inf_per_device) found.push_back(f);
@@ -260,9 +261,10 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   const int64_t skipped = read_int(archive, "_skipped_steps", where);
   o.init_scale(scale);
   check_options(o, where);
-  TORCH_CHECK_VALUE(growth >= 0, where, ": '_growth_tracker' must be >= 0, got ", growth);
-  TORCH_CHECK_VALUE(hysteresis_tracker >= 0, where, ": '_hysteresis_tracker' must be >= 0, got ", hysteresis_tracker);
-  TORCH_CHECK_VALUE(skipped >= 0, where, ": '_skipped_steps' must be >= 0, got ", skipped);
+  TORCH_CHECK_VALUE(growth >= 0, where, ": '_growth_tracker' must be >= 0, got ", detail::num(growth));
+  TORCH_CHECK_VALUE(hysteresis_tracker >= 0, where, ": '_hysteresis_tracker' must be >= 0, got ",
+                    detail::num(hysteresis_tracker));
+  TORCH_CHECK_VALUE(skipped >= 0, where, ": '_skipped_steps' must be >= 0, got ", detail::num(skipped));
 
   o.init_scale(options_.init_scale());  // the constructor's value stays what it was
   options_ = o;

@@ -68,10 +68,12 @@ AmpState resolve(const AmpOptions& o) {
 
 AmpState initialize_impl(torch::nn::Module& model, torch::optim::Optimizer* optimizer, const AmpOptions& options) {
   const AmpState s = resolve(options);
-  for (const auto& kv : model.named_parameters())
+  for (const auto& kv : model.named_parameters()) {
+    const std::string& name = kv.key();
     TORCH_CHECK_VALUE(!kv.value().is_floating_point() || kv.value().scalar_type() == c10::kFloat, kName,
-                      ": parameter '", kv.key(), "' is ", kv.value().scalar_type(),
+                      ": parameter '", name, "' is ", kv.value().scalar_type(),
                       "; pass the model in fp32 (initialize casts it for the level)");
+  }
 
   auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer);
   const bool cast = s.cast_model_type && is_low(*s.cast_model_type);

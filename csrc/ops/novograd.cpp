@@ -17,7 +17,7 @@ constexpr const char* kOp = "novograd_";
 kernels::NormType novograd_norm_type(double norm_type) {
   if (norm_type == 2.0) return kernels::NormType::kL2;
   if (std::isinf(norm_type) && norm_type > 0) return kernels::NormType::kInf;
-  TORCH_CHECK_VALUE(false, arg_name(kOp, "norm_type"), " must be 2 or inf, got ", norm_type,
+  TORCH_CHECK_VALUE(false, arg_name(kOp, "norm_type"), " must be 2 or inf, got ", num(norm_type),
                     " (Apex's norm_type=0 for the infinity norm is translated by FusedNovoGrad)");
   return kernels::NormType::kL2;  // unreachable
 }
@@ -46,8 +46,8 @@ std::vector<kernels::TensorGroup> grad_groups(const PackedLists& packed) {
 }
 
 void check_list_length(const char* name, int64_t got, int64_t n, const char* hint) {
-  TORCH_CHECK_VALUE(got == n, arg_name(kOp, name), " has ", got, " tensors but ", arg_name(kOp, "params"), " has ", n,
-                    hint);
+  TORCH_CHECK_VALUE(got == n, arg_name(kOp, name), " has ", num(got), " tensors but ", arg_name(kOp, "params"), " has ",
+                    num(n), hint);
 }
 
 }  // namespace
@@ -66,8 +66,8 @@ void novograd_check_shapes(at::TensorList params, at::TensorList grads, at::Tens
   TORCH_CHECK(exp_avg_sq_norms.defined(), what, " is undefined");
   // Symbolic sizes: the Meta impl sees torch.compile's fake tensors.
   TORCH_CHECK_VALUE(exp_avg_sq_norms.dim() == 1 && exp_avg_sq_norms.sym_numel() == n, what,
-                    " must have shape [", n, "] (one second moment per tensor of params), got ",
-                    exp_avg_sq_norms.sym_sizes());
+                    " must have shape [", num(n), "] (one second moment per tensor of params), got ",
+                    shape(exp_avg_sq_norms.sym_sizes()));
 }
 
 void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, const at::Tensor& exp_avg_sq_norms,

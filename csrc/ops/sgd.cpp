@@ -18,10 +18,11 @@ void sgd_impl(at::TensorList params, at::TensorList grads, at::TensorList moment
   constexpr const char* kOp = "sgd_";
   check_range(kOp, "momentum", momentum, 0.0, INFINITY, /*hi_open=*/true);
   // torch.optim.SGD accepts any dampening; only a non-finite one is nonsense.
-  TORCH_CHECK_VALUE(std::isfinite(dampening), arg_name(kOp, "dampening"), " must be finite, got ", dampening);
+  TORCH_CHECK_VALUE(std::isfinite(dampening), arg_name(kOp, "dampening"), " must be finite, got ", num(dampening));
   check_range(kOp, "weight_decay", weight_decay, 0.0, INFINITY, true);
   TORCH_CHECK_VALUE(!nesterov || (momentum > 0 && dampening == 0), arg_name(kOp, "nesterov"),
-                    " requires momentum > 0 and dampening == 0, got momentum ", momentum, " and dampening ", dampening);
+                    " requires momentum > 0 and dampening == 0, got momentum ", num(momentum), " and dampening ",
+                    num(dampening));
   const bool use_momentum = momentum != 0;
   TORCH_CHECK_VALUE(use_momentum == present(momentum_buffers) || params.empty(), arg_name(kOp, "momentum_buffers"),
                     use_momentum ? " must hold one float32 buffer per param when momentum != 0"

@@ -1,24 +1,9 @@
 // Validation and packing of tensor-list arguments into kernel-tier groups (see tensor_lists.h).
 #include "ops/tensor_lists.h"
 
-#include <cstdio>
 #include <map>
 
 namespace mixprec::detail {
-
-std::string num(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%.17g", v);
-  return buf;
-}
-
-std::string num(int64_t v) { return std::to_string(v); }
-
-std::string shape(at::IntArrayRef sizes) {
-  std::string s = "[";
-  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
-  return s + "]";
-}
 
 std::string arg_name(const char* op, const char* arg, int64_t index) {
   std::string s = std::string("mixprec::") + op + ": " + arg;

@@ -9,21 +9,12 @@
 #include <vector>
 
 #include "kernels/multi_tensor.h"
+#include "ops/format.h"  // num() and shape(): every number in an error message goes through them
 
 namespace mixprec::detail {
 
 // The kernel dtype of a float tensor; `what` names it in the error ("op: arg[i]").
 kernels::DType kernel_dtype(const at::Tensor& t, const std::string& what);
-
-// Numbers and shapes in error messages go through these (std::to_string / snprintf), never through
-// a std::ostream inside this library: on the H200 machine's toolchain (GCC 13.3, torch 2.11) an
-// integer streamed by code compiled into libmixprec crashed in std::num_put while the error was
-// being built, while strings streamed fine.
-std::string num(double v);
-std::string num(int64_t v);
-inline std::string num(size_t v) { return num(static_cast<int64_t>(v)); }
-inline std::string num(int v) { return num(static_cast<int64_t>(v)); }
-std::string shape(at::IntArrayRef sizes);
 
 // "mixprec::op: arg[i]" or "mixprec::op: arg" (index < 0), the prefix of every error message.
 std::string arg_name(const char* op, const char* arg, int64_t index = -1);

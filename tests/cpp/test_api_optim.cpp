@@ -419,9 +419,9 @@ TEST_P(ApiAdam, CorruptOrForeignCheckpointsAreRefusedAndChangeNothing) {
 // ---- errors -------------------------------------------------------------------------------------
 TEST_P(ApiAdam, BadHyperParametersAndOptionsAreRefused) {
   auto ps = make_params({{4}}, at::kFloat, device());
-  expect_c10_error([&] { FusedAdam(ps, FusedAdamOptions(-1.0)); }, {"FusedAdam", "learning rate"});
-  expect_c10_error([&] { FusedAdam(ps, FusedAdamOptions(1e-3).betas({0.9, 1.0})); }, {"FusedAdam", "betas"});
-  expect_c10_error([&] { FusedAdam(ps, FusedAdamOptions(1e-3).eps(-1e-8)); }, {"FusedAdam", "eps"});
+  expect_c10_error([&] { FusedAdam(ps, FusedAdamOptions(-1.0)); }, {"FusedAdam", "invalid learning rate -1;"});
+  expect_c10_error([&] { FusedAdam(ps, FusedAdamOptions(1e-3).betas({0.9, 1.0})); }, {"FusedAdam", "betas (0.9, 1)"});
+  expect_c10_error([&] { FusedAdam(ps, FusedAdamOptions(1e-3).eps(-1e-8)); }, {"FusedAdam", "invalid eps -1e-08;"});
   expect_c10_error([&] { FusedAdam(ps, FusedAdamOptions(1e-3).weight_decay(-0.1)); }, {"FusedAdam", "weight_decay"});
   expect_c10_error([&] { FusedAdam(ps, FusedAdamOptions(1e-3).state_dtype(at::kDouble)); }, {"state_dtype"});
   expect_c10_error([&] { FusedAdamW(ps, FusedAdamOptions(1e-3).adam_w_mode(false)); }, {"FusedAdamW", "adam_w_mode"});

@@ -211,7 +211,8 @@ TEST_P(ApiFamilies, SGDRefusesBadOptions) {
   auto ps = make_params({{3}}, at::kFloat, device());
   expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(0.1).nesterov(true)); }, {"FusedSGD", "Nesterov"});
   expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(0.1).momentum(-1)); }, {"FusedSGD", "momentum"});
-  expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(NAN)); }, {"FusedSGD", "learning rate"});
+  expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(NAN)); }, {"FusedSGD", "invalid learning rate nan;"});
+  expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(0.1).dampening(INFINITY)); }, {"FusedSGD", "invalid dampening inf"});
 }
 
 // ---- Adagrad --------------------------------------------------------------------------------------
@@ -395,7 +396,7 @@ TEST_P(ApiFamilies, NovoGradKeepsTheMomentsOfParamsWithoutGradients) {
 
 TEST_P(ApiFamilies, NovoGradRefusesABadNormType) {
   auto ps = make_params({{3}, {4}}, at::kFloat, device());
-  expect_c10_error([&] { FusedNovoGrad(ps, FusedNovoGradOptions(0.1).norm_type(1)); }, {"FusedNovoGrad", "norm_type"});
+  expect_c10_error([&] { FusedNovoGrad(ps, FusedNovoGradOptions(0.1).norm_type(1)); }, {"FusedNovoGrad", "norm_type", "got 1"});
 }
 
 }  // namespace

@@ -12,11 +12,11 @@ void adagrad_meta(at::TensorList params, at::TensorList grads, at::TensorList st
                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                   const std::optional<at::Tensor>&) {
   for (const NamedList& l : {NamedList{"grads", grads}, NamedList{"state_sums", state_sums}})
-    TORCH_CHECK_VALUE(l.tensors.size() == params.size(), arg_name("adagrad_", l.name), " has ", l.tensors.size(),
-                      " tensors but params has ", params.size());
+    TORCH_CHECK_VALUE(l.tensors.size() == params.size(), arg_name("adagrad_", l.name), " has ",
+                      num(l.tensors.size()), " tensors but params has ", num(params.size()));
   TORCH_CHECK_VALUE(master_params.empty() || master_params.size() == params.size(),
-                    arg_name("adagrad_", "master_params"), " has ", master_params.size(), " tensors but params has ",
-                    params.size());
+                    arg_name("adagrad_", "master_params"), " has ", num(master_params.size()),
+                    " tensors but params has ", num(params.size()));
 }
 
 }  // namespace

@@ -12,10 +12,10 @@ void lamb_meta(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                bool, bool, bool, double, bool, int64_t, const std::optional<at::Tensor>&,
                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
   for (const NamedList& l : {NamedList{"grads", grads}, NamedList{"exp_avgs", exp_avgs}, NamedList{"exp_avg_sqs", exp_avg_sqs}})
-    TORCH_CHECK_VALUE(l.tensors.size() == params.size(), arg_name("lamb_", l.name), " has ", l.tensors.size(),
-                      " tensors but params has ", params.size());
+    TORCH_CHECK_VALUE(l.tensors.size() == params.size(), arg_name("lamb_", l.name), " has ",
+                      num(l.tensors.size()), " tensors but params has ", num(params.size()));
   TORCH_CHECK_VALUE(master_params.empty() || master_params.size() == params.size(), arg_name("lamb_", "master_params"),
-                    " has ", master_params.size(), " tensors but params has ", params.size());
+                    " has ", num(master_params.size()), " tensors but params has ", num(params.size()));
 }
 
 }  // namespace
