@@ -13,6 +13,7 @@
 // round alike and give bit-identical results on one machine.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define MIXPREC_HAVE_X86_V3 1
+#include <cpuid.h>
 #include <immintrin.h>
 #define MIXPREC_TARGET_V3 __attribute__((target("avx2,f16c")))
 #else
@@ -28,8 +29,12 @@ inline bool use_x86_v3() {
   static const bool on = [] {
     const char* env = std::getenv("MIXPREC_CPU_SIMD");
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    // avx2 through the compiler's check (it also asks the OS about the AVX register state);
+    // F16C from CPUID leaf 1 directly, since not every compiler's check knows its name.
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+    return __builtin_cpu_supports("avx2") && f16c;
   }();
   return on;
 #else
