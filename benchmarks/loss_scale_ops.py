@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -256,8 +257,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh each run)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["unscale", "norm", "scale", "update"],
                         help="families to leave out")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="CPU with --threads 1 only: time by the thread's CPU time instead of wall time, so "
+                             "that time the thread spends preempted by other processes on a shared machine is "
+                             "not counted (memory-bandwidth contention still is)")
     args = parser.parse_args(argv)
     device = common.resolve_device(parser, args)
+    if args.cpu_clock and (device.type != "cpu" or args.threads != 1):
+        parser.error("--cpu-clock needs the CPU and --threads 1 (other threads' work would not be counted)")
     runs, warmup = common.resolve_runs(args)
     common.self_check()
     try:  # after argument checks: a bad flag never waits on loading the library
@@ -277,12 +284,14 @@ def main(argv=None) -> int:
     gen = Rng(torch.Generator(device=device).manual_seed(seed), torch.Generator().manual_seed(seed))
 
     env = common.environment(device)
-    env.update(shapes=shape_set, tensors=len(shapes), params=numel, seed=seed, runs=runs, warmup=warmup)
+    env.update(shapes=shape_set, tensors=len(shapes), params=numel, seed=seed, runs=runs, warmup=warmup,
+               clock="thread_time" if args.cpu_clock else "perf_counter")
     unit, per = common.bandwidth_units(device)
     copy = common.measure_copy_bandwidth(device, runs=runs, warmup=warmup)
     print(f"# loss_scale_ops on {common.device_label(env)}, torch {env['torch']}, mixprec {env['mixprec']}")
     print(f"# {shape_set}: {numel / 1e6:.1f} M params in {len(shapes)} tensors; median of {runs} runs "
-          f"(min-max shown), {warmup} warm-up; seed {seed}")
+          f"(min-max shown), {warmup} warm-up; seed {seed}"
+          + ("; timed by thread CPU time (--cpu-clock)" if args.cpu_clock else ""))
     print(f"# device copy: {copy.bytes_per_s / per:.3f} {unit} ({copy.buffer_bytes / 2**20:.0f} MiB moved per copy)")
     if common.busy_warning(env):
         print(common.busy_warning(env))
@@ -313,7 +322,8 @@ def main(argv=None) -> int:
             print(f"!! {name}: verification FAILED, not timed: {e}", file=sys.stderr)
             continue
         timings = common.time_many(fns, device, runs=runs, warmup=warmup, arg_sets=arg_sets,
-                                   inner=100 if nbytes == 0 else 1)
+                                   inner=100 if nbytes == 0 else 1,
+                                   clock=time.thread_time if args.cpu_clock else time.perf_counter)
         timed.append((name, nbytes, torch_label, errs, timings))
         del fns, arg_sets
 
