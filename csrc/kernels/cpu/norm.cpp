@@ -10,7 +10,8 @@ namespace mixprec::kernels {
 namespace {
 
 // Independent accumulators, lane l taking elements begin + 16k + l: two AVX2 registers' worth.
-// Both paths below keep this order and neither contracts into FMAs, so they agree bit for bit.
+// Both paths below keep this order and, on x86-64 where both exist, neither contracts into FMAs
+// (the baseline has none and the vector target leaves "fma" out), so they agree bit for bit.
 constexpr int kLanes = 16;
 
 MIXPREC_INLINE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
@@ -28,7 +29,7 @@ MIXPREC_INLINE float reduce_lanes(const float* acc) {
   return r;
 }
 
-// Elements begin+i.. of a short tail (< kLanes), into lanes 0.. (the same lanes as a full step).
+// The last `rest` (< kLanes) elements, from `at`, into lanes 0.. (the lanes a full step would use).
 template <DType D, NormType T>
 MIXPREC_INLINE void accumulate_tail(const void* in, int64_t at, int64_t rest, float* acc) {
   for (int64_t l = 0; l < rest; ++l) acc[l] = accumulate<T>(acc[l], cpu::load_one<D>(in, at + l));
