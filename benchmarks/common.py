@@ -111,12 +111,14 @@ def time_many(
     warmup: int = 3,
     arg_sets: Optional[dict[str, Sequence[tuple]]] = None,
     inner: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Timing]:
     """Times each function `runs` times, interleaved round-robin, after `warmup` untimed calls each.
 
     Interleaving puts clock and thermal drift on every contender alike, so ratios measured in one
     run are fair. On CUDA each sample is the time between two events around the call(s) on the
-    current stream (the device time, launch gaps included); on the CPU it is time.perf_counter.
+    current stream (the device time, launch gaps included); on the CPU it is `clock`: wall time
+    (time.perf_counter) unless told otherwise.
     `inner` > 1 times that many back-to-back calls per sample and reports the time per call (for
     ops too short to time one by one). `arg_sets[name]` rotates the arguments, see _caller.
     """
@@ -145,9 +147,9 @@ def time_many(
                 call(name)
                 end.record()
             else:
-                t0 = time.perf_counter()
+                t0 = clock()
                 call(name)
-                samples[name].append((time.perf_counter() - t0) / inner)
+                samples[name].append((clock() - t0) / inner)
     if cuda:
         torch.cuda.synchronize(device)
         for name in fns:

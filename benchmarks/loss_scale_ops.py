@@ -1,5 +1,5 @@
-"""Benchmark of the loss-scaling ops (issue 2): mixprec's fused non-finite check and unscale, norm and
-scale update beside torch's ops in the same run, over the GPT-2-medium gradient set (a smaller GPT
+"""Benchmark of the loss-scaling ops (issue 2): mixprec's fused non-finite check and unscale, norm, scale_
+and scale update beside torch's ops in the same run, over the GPT-2-medium gradient set (a smaller GPT
 set on the CPU). Every timed variant is first checked against torch and a float64 reference.
 
     python benchmarks/loss_scale_ops.py                 # CUDA if available, else CPU
@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import sys
+import time
 from typing import Callable, Optional
 
 import torch
@@ -196,6 +197,38 @@ def setup_norm(dtype: torch.dtype, shapes, device, gen):
     return {"mixprec": run_m, "torch": run_t}, None, errs
 
 
+def setup_scale(dtype: torch.dtype, shapes, device, gen):
+    """mixprec.scale_ (what clipping applies) beside torch._foreach_mul_ by a device scalar."""
+    import mixprec
+
+    grads_m = fresh_grads(shapes, dtype, device, gen)
+    grads_t = [g.clone() for g in grads_m]
+    snapshot = [g.clone() for g in grads_m]
+    scales = [torch.full((1,), s, dtype=torch.float32, device=device) for s in INV_SCALES]
+    # torch multiplies by a 0-dim tensor without promoting the list's dtype: x * s in fp32, rounded
+    # once, as mixprec does, so the two must agree bit for bit.
+    torch_scales = [s.reshape(()) for s in scales]
+
+    def run_m(scale):
+        mixprec.scale_(grads_m, scale)
+
+    def run_t(scale):
+        torch._foreach_mul_(grads_t, scale)
+
+    run_m(scales[0])
+    run_t(torch_scales[0])
+    for i, (a, b) in enumerate(zip(grads_m, grads_t)):
+        expect(torch.equal(a, b), f"scale_ differs from torch._foreach_mul_ in tensor {i}")
+    ref = lambda i: snapshot[i].double() * INV_SCALES[0]  # noqa: E731
+    errs = {"mixprec": rel_err(grads_m, ref), "torch": rel_err(grads_t, ref)}
+    for g in (grads_m, grads_t):
+        for d, s in zip(g, snapshot):
+            d.copy_(s)
+    del snapshot
+    arg_sets = {"mixprec": [(s,) for s in scales], "torch": [(s,) for s in torch_scales]}
+    return {"mixprec": run_m, "torch": run_t}, arg_sets, errs
+
+
 def setup_update_scale(device, gen):
     import mixprec
 
@@ -222,10 +255,16 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: fresh each run)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["unscale", "norm", "update"],
+    parser.add_argument("--skip", nargs="*", default=[], choices=["unscale", "norm", "scale", "update"],
                         help="families to leave out")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="CPU with --threads 1 only: time by the thread's CPU time instead of wall time, so "
+                             "that time the thread spends preempted by other processes on a shared machine is "
+                             "not counted (memory-bandwidth contention still is)")
     args = parser.parse_args(argv)
     device = common.resolve_device(parser, args)
+    if args.cpu_clock and (device.type != "cpu" or args.threads != 1):
+        parser.error("--cpu-clock needs the CPU and --threads 1 (other threads' work would not be counted)")
     runs, warmup = common.resolve_runs(args)
     common.self_check()
     try:  # after argument checks: a bad flag never waits on loading the library
@@ -245,12 +284,14 @@ def main(argv=None) -> int:
     gen = Rng(torch.Generator(device=device).manual_seed(seed), torch.Generator().manual_seed(seed))
 
     env = common.environment(device)
-    env.update(shapes=shape_set, tensors=len(shapes), params=numel, seed=seed, runs=runs, warmup=warmup)
+    env.update(shapes=shape_set, tensors=len(shapes), params=numel, seed=seed, runs=runs, warmup=warmup,
+               clock="thread_time" if args.cpu_clock else "perf_counter")
     unit, per = common.bandwidth_units(device)
     copy = common.measure_copy_bandwidth(device, runs=runs, warmup=warmup)
     print(f"# loss_scale_ops on {common.device_label(env)}, torch {env['torch']}, mixprec {env['mixprec']}")
     print(f"# {shape_set}: {numel / 1e6:.1f} M params in {len(shapes)} tensors; median of {runs} runs "
-          f"(min-max shown), {warmup} warm-up; seed {seed}")
+          f"(min-max shown), {warmup} warm-up; seed {seed}"
+          + ("; timed by thread CPU time (--cpu-clock)" if args.cpu_clock else ""))
     print(f"# device copy: {copy.bytes_per_s / per:.3f} {unit} ({copy.buffer_bytes / 2**20:.0f} MiB moved per copy)")
     if common.busy_warning(env):
         print(common.busy_warning(env))
@@ -264,6 +305,10 @@ def main(argv=None) -> int:
         for dt, nm in ((torch.float32, "fp32"), (torch.float16, "fp16")):
             families.append((f"L2 norm {nm}", lambda dt=dt: setup_norm(dt, shapes, device, gen),
                              (torch.finfo(dt).bits // 8) * numel, "torch _foreach_norm + stack + vector_norm"))
+    if "scale" not in args.skip:
+        for dt, nm in ((torch.float16, "fp16"), (torch.float32, "fp32")):
+            families.append((f"scale_ {nm} in place", lambda dt=dt: setup_scale(dt, shapes, device, gen),
+                             2 * (torch.finfo(dt).bits // 8) * numel, "torch _foreach_mul_ by a 0-dim tensor"))
     if "update" not in args.skip:
         families.append(("update_scale (per call)", lambda: setup_update_scale(device, gen), 0,
                          "torch _amp_update_scale_"))
@@ -277,7 +322,8 @@ def main(argv=None) -> int:
             print(f"!! {name}: verification FAILED, not timed: {e}", file=sys.stderr)
             continue
         timings = common.time_many(fns, device, runs=runs, warmup=warmup, arg_sets=arg_sets,
-                                   inner=100 if nbytes == 0 else 1)
+                                   inner=100 if nbytes == 0 else 1,
+                                   clock=time.thread_time if args.cpu_clock else time.perf_counter)
         timed.append((name, nbytes, torch_label, errs, timings))
         del fns, arg_sets
 

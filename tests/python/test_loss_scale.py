@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -242,6 +245,24 @@ def test_float32_rounds_to_nearest_even_like_torch(device, out_dtype, gen):
     out = [poisoned_like(x, out_dtype)]
     mixprec.non_finite_check_and_unscale_([x], scalar(0.0, device), None, out)
     assert_bitwise_equal(out[0].cpu(), x.cpu().to(out_dtype), f"float32 -> {out_dtype}", nan_equal=True)
+
+
+@pytest.mark.skipif(os.environ.get("MIXPREC_CPU_SIMD") == "0", reason="this run is on the portable path already")
+def test_portable_cpu_path_passes_the_exactness_tests():
+    # The CPU kernels pick AVX2/F16C code at run time; aarch64 and older x86-64 CPUs run the
+    # portable code instead. MIXPREC_CPU_SIMD=0 forces that code, so rerun the bitwise and
+    # inf/NaN tests of the unscale and the norm under it, in a fresh process (the choice is made
+    # once per process).
+    here = os.path.dirname(os.path.abspath(__file__))
+    selected = ("every_16_bit or rounds_to_nearest or equals_torch_amp or found_at_every_position or boundary_sizes"
+                " or into_out_of_another_dtype or matches_float64 or non_finite_propagates or nan_beats_inf"
+                " or is_deterministic")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, "test_loss_scale.py"),
+           os.path.join(here, "test_norm.py"), "-k", f"cpu and ({selected})"]
+    r = subprocess.run(cmd, env=dict(os.environ, MIXPREC_CPU_SIMD="0"), cwd=here, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, f"portable path failed:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
+    assert " passed" in r.stdout and "no tests ran" not in r.stdout, r.stdout[-2000:]
 
 
 @given(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -101,6 +104,25 @@ def test_norm_is_deterministic(device, ord, gen, rng):
     b = mixprec.multi_tensor_norm(tensors, ord, True)
     assert_bitwise_equal(a[0], b[0], "total")
     assert_bitwise_equal(a[1], b[1], "per_tensor")
+
+
+@pytest.mark.skipif(os.environ.get("MIXPREC_CPU_SIMD") == "0", reason="this run is on the portable path already")
+def test_cpu_vector_and_portable_paths_agree_bitwise(gen, rng, tmp_path):
+    # The AVX2/F16C norm keeps the portable code's 16 lanes and summation order and neither
+    # contracts into FMAs, so one machine gives the same bits whichever path runs (the portable
+    # one, forced by MIXPREC_CPU_SIMD=0, in a fresh process). Unaligned views take the same code.
+    tensors = random_tensors(boundary_sizes(rng) + [15, 16, 17, 33], FLOAT_DTYPES, "cpu", gen)
+    tensors += [unaligned_view(CHUNK + 9, d, "cpu", gen)[0] for d in FLOAT_DTYPES]
+    torch.save(tensors, tmp_path / "in.pt")
+    script = ("import sys, torch, mixprec; ts = torch.load(sys.argv[1]); "
+              "torch.save([mixprec.multi_tensor_norm(ts, o, True) for o in (2.0, float('inf'))], sys.argv[2])")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], check=True,
+                   env=dict(os.environ, MIXPREC_CPU_SIMD="0"), timeout=300)
+    portable = torch.load(tmp_path / "out.pt")
+    for (total, per), ord in zip(portable, (2.0, math.inf)):
+        ours = mixprec.multi_tensor_norm(tensors, ord, True)
+        assert_bitwise_equal(ours[0], total, f"ord {ord}: total")
+        assert_bitwise_equal(ours[1], per, f"ord {ord}: per_tensor")
 
 
 @pytest.mark.parametrize("value", NON_FINITE, ids=["inf", "-inf", "nan"])

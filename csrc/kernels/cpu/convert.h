@@ -65,23 +65,46 @@ template <> struct Storage<DType::kFloat32> { using type = float; };
 template <> struct Storage<DType::kFloat16> { using type = uint16_t; };
 template <> struct Storage<DType::kBFloat16> { using type = uint16_t; };
 
+// Element i of a tensor of dtype D, as fp32; and an fp32 value rounded into element i.
+template <DType D>
+MIXPREC_INLINE float load_one(const void* p, int64_t i) {
+  const auto v = static_cast<const typename Storage<D>::type*>(p)[i];
+  if constexpr (D == DType::kFloat32) return v;
+  else if constexpr (D == DType::kFloat16) return half_to_float(v);
+  else return bf16_to_float(v);
+}
+
+template <DType D>
+MIXPREC_INLINE void store_one(void* p, int64_t i, float f) {
+  auto* q = static_cast<typename Storage<D>::type*>(p);
+  if constexpr (D == DType::kFloat32) q[i] = f;
+  else if constexpr (D == DType::kFloat16) q[i] = float_to_half(f);
+  else q[i] = float_to_bf16(f);
+}
+
 template <DType D>
 MIXPREC_INLINE void load_tile_as(const void* src, int64_t n, float* dst) {
-  const auto* p = static_cast<const typename Storage<D>::type*>(src);
-  for (int64_t i = 0; i < n; ++i) {
-    if constexpr (D == DType::kFloat32) dst[i] = p[i];
-    else if constexpr (D == DType::kFloat16) dst[i] = half_to_float(p[i]);
-    else dst[i] = bf16_to_float(p[i]);
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = load_one<D>(src, i);
 }
 
 template <DType D>
 MIXPREC_INLINE void store_tile_as(const float* src, int64_t n, void* dst) {
-  auto* p = static_cast<typename Storage<D>::type*>(dst);
-  for (int64_t i = 0; i < n; ++i) {
-    if constexpr (D == DType::kFloat32) p[i] = src[i];
-    else if constexpr (D == DType::kFloat16) p[i] = float_to_half(src[i]);
-    else p[i] = float_to_bf16(src[i]);
+  for (int64_t i = 0; i < n; ++i) store_one<D>(dst, i, src[i]);
+}
+
+// Calls f(DTypeTag<d>{}): turns a run-time dtype into a template argument,
+// so that kernels are instantiated per dtype and the inner loops hold no dtype switch.
+template <DType D>
+struct DTypeTag {
+  static constexpr DType value = D;
+};
+
+template <class F>
+MIXPREC_INLINE decltype(auto) with_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::kFloat16: return f(DTypeTag<DType::kFloat16>{});
+    case DType::kBFloat16: return f(DTypeTag<DType::kBFloat16>{});
+    default: return f(DTypeTag<DType::kFloat32>{});
   }
 }
 
@@ -104,13 +127,6 @@ MIXPREC_INLINE void store_tile(DType d, const float* src, void* base, int64_t at
     case DType::kFloat16: store_tile_as<DType::kFloat16>(src, n, dst); break;
     case DType::kBFloat16: store_tile_as<DType::kBFloat16>(src, n, dst); break;
   }
-}
-
-// OR-reduction of "not finite" over a tile; integer lanes so it vectorizes without fast-math.
-MIXPREC_INLINE bool tile_has_non_finite(const float* x, int64_t n) {
-  uint32_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) bad |= static_cast<uint32_t>(!is_finite(x[i]));
-  return bad != 0;
 }
 
 }  // namespace mixprec::kernels::cpu
