@@ -83,9 +83,10 @@ def _skip_literal(s: str, i: int) -> int:
     return j + 1
 
 
-def matching_paren(s: str, open_index: int) -> int:
-    """Index of the ')' closing the '(' at open_index (string literals and nesting respected)."""
-    depth, i = 0, open_index
+def _top_level(s: str, start: int = 0):
+    """Yields (index, char, depth) for each character of s from `start` outside string and char
+    literals; depth counts the brackets open after that character (an opening bracket counts)."""
+    depth, i = 0, start
     while i < len(s):
         c = s[i]
         if c in "\"'":
@@ -95,49 +96,37 @@ def matching_paren(s: str, open_index: int) -> int:
             depth += 1
         elif c in ")]}":
             depth -= 1
-            if depth == 0:
-                return i
+        yield i, c, depth
         i += 1
+
+
+def matching_paren(s: str, open_index: int) -> int:
+    """Index of the ')' closing the '(' at open_index (string literals and nesting respected)."""
+    for i, c, depth in _top_level(s, open_index):
+        if c in ")]}" and depth == 0:
+            return i
     raise ValueError(f"unbalanced parenthesis at offset {open_index}")
 
 
 def split_top(s: str, seps: str = ",") -> list[str]:
     """Splits s at the characters of `seps` that are outside brackets and literals."""
-    parts, depth, start, i = [], 0, 0, 0
-    while i < len(s):
-        c = s[i]
-        if c in "\"'":
-            i = _skip_literal(s, i)
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif c in seps and depth == 0:
+    parts, start = [], 0
+    for i, c, depth in _top_level(s):
+        if c in seps and depth == 0:
             parts.append(s[start:i])
             start = i + 1
-        i += 1
     parts.append(s[start:])
     return [p.strip() for p in parts]
 
 
 def _split_ternary(expr: str):
     """(cond, a, b) when expr is `cond ? a : b` at top level (`::` is not a colon), else None."""
-    depth, i, q = 0, 0, -1
-    while i < len(expr):
-        c = expr[i]
-        if c in "\"'":
-            i = _skip_literal(expr, i)
-            continue
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif depth == 0 and c == "?" and q < 0:
+    q = -1
+    for i, c, depth in _top_level(expr):
+        if depth == 0 and c == "?" and q < 0:
             q = i
         elif depth == 0 and c == ":" and q >= 0 and expr[i - 1] != ":" and expr[i + 1:i + 2] != ":":
             return expr[:q], expr[q + 1:i], expr[i + 1:]
-        i += 1
     return None
 
 

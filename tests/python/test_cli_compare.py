@@ -14,6 +14,7 @@ import torch
 import mixprec
 from mixprec.cli.main import main
 from mixprec.cli.modes import default_modes
+from amp_support import one_cpu_thread  # noqa: F401  (autouse fixture: tiny models, one thread)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -21,13 +22,6 @@ TASKS = os.path.join(HERE, "cli_tasks.py")
 TINY = ["--epochs", "2", "--steps-per-epoch", "2", "--val-steps", "1", "--no-progress"]
 
 
-@pytest.fixture(autouse=True)
-def one_cpu_thread():
-    """Tiny models: ATen's thread pool only adds contention on a busy CI machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def run(tmp_path, *args):
