@@ -59,7 +59,7 @@ if [[ $steps == *bench* ]]; then
 fi
 if [[ $steps == *sanitize* ]]; then
   run sanitize compute-sanitizer --tool memcheck --error-exitcode 3 \
-    $PY -m pytest ${TEST_PATHS:-tests/python} -q -x -m cuda -k "${SANITIZE_K:-loss_scale or norm or adam}" -p no:cacheprovider
+    $PY -m pytest ${TEST_PATHS:-tests/python} -q -x -m cuda -k "${SANITIZE_K:-loss_scale or update_scale or norm or adam}" -p no:cacheprovider
 fi
 if [[ $steps == *e2e* ]]; then
   run e2e $PY benchmarks/e2e_gpt2.py --out "$OUT/e2e.json" ${E2E_ARGS:-}
