@@ -112,6 +112,47 @@ def train_plain(model, optimizers, batches, n_losses: int, skip_steps: set, *, a
                 opt.step()
 
 
+def train_o2_by_hand(model0, kind: str, dtype, batches, n_losses: int, skip_steps: set, loss_scale: float = 2.0**8):
+    """O2 written out in plain PyTorch, the peer amp's O2 is judged against: a ``dtype`` model
+    with BatchNorm kept fp32, fp32 master weights with fp32 optimizer state, the loss scaled by a
+    constant, gradients copied to the masters and unscaled there, the masters copied back after
+    each step. Gradients accumulate where amp's do: in the model's dtype over micro-batches of
+    one loss (delay_unscale), in the fp32 masters after every backward of several losses.
+    Returns the masters' module."""
+    masters = fresh(model0)
+    model = fresh(model0)
+    for module in model:
+        if not isinstance(module, torch.nn.BatchNorm1d):
+            module.to(dtype)
+    optimizers = make_optimizers(kind, masters)
+    pairs = list(zip(model.parameters(), masters.parameters()))
+    def unscale_into_masters():
+        for p, m in pairs:
+            g = p.grad.float() / loss_scale
+            m.grad = g if m.grad is None else m.grad + g
+            p.grad = None
+
+    for step, micro in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        masters.zero_grad(set_to_none=True)
+        for x, y in micro:
+            losses = losses_of(model(x.to(dtype)), y, n_losses)
+            for i, loss in enumerate(losses):
+                (loss * loss_scale).backward(retain_graph=i < len(losses) - 1)
+                if n_losses > 1:
+                    unscale_into_masters()
+        if n_losses == 1:
+            unscale_into_masters()
+        if step in skip_steps:
+            continue
+        for opt in optimizers:
+            opt.step()
+        with torch.no_grad():
+            for p, m in pairs:
+                p.copy_(m)
+    return masters
+
+
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
 

@@ -98,12 +98,18 @@ def check_against(track: Track, weights, exp_avgs, exp_avg_sqs, weight_dtype, wh
     """DESIGN.md's bounds: fp32 weights within 1e-5 of float64 math; low-precision ones within
     2x the plain-PyTorch peer's error (fp32 math, weights rounded to their dtype every step)."""
     for k, (name, outs) in enumerate((("w", weights), ("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs))):
-        if track.peer is None and name == "exp_avg":
+        if name == "exp_avg":
             # exp_avg averages signed grads: in a 1-element tensor the 20 terms can nearly cancel,
             # and fp32 rounding of the terms is then a large share of a tiny result (seed 17 gave
-            # 2.7e-5). Judged over the group, where the terms' cancellation is typical.
-            flat_out = torch.cat([o.detach().double().cpu().flatten() for o in outs])
-            assert_rel_err(flat_out, torch.cat([r.flatten() for r in track.ref[k]]), 1e-5, f"{what}: {name}")
+            # 2.7e-5 with fp32 weights; seed 3224930868 5.3e-5 with bf16 ones, whose fp32 exp_avg
+            # does not depend on the weights under adam_w_mode). Judged over the group, where the
+            # terms' cancellation is typical, for every weight dtype.
+            def flat(ts):
+                return torch.cat([t.detach().double().cpu().flatten() for t in ts])
+
+            ref = flat(track.ref[k])
+            bound = 1e-5 if track.peer is None else peer_bound(weight_dtype, flat(track.peer[k]), ref)
+            assert_rel_err(flat(outs), ref, bound, f"{what}: {name}")
             continue
         for i, out in enumerate(outs):
             ref = track.ref[k][i]
