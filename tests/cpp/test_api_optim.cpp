@@ -164,18 +164,26 @@ TEST_P(ApiAdam, BFloat16MomentsStayCloseToFloat32) {
   auto b = copies(a, at::kFloat);
   const auto start = copies(a, at::kDouble);
   FusedAdamW low(a, FusedAdamWOptions(0.05).state_dtype(at::kBFloat16));
-  FusedAdamW full(b, FusedAdamWOptions(0.05));
+  FusedAdamW peer(b, FusedAdamWOptions(0.05));  // fp32 moments, rounded to bf16 after each step
   for (int step = 0; step < 3; ++step) {
     const auto gs = random_grads(a, at::kFloat);
     set_grads(a, gs);
     set_grads(b, gs);
     low.step();
-    full.step();
+    peer.step();
+    torch::NoGradGuard no_grad;
+    for (const auto& p : b) {
+      auto& s = static_cast<FusedAdamParamState&>(*peer.state().at(p.unsafeGetTensorImpl()));
+      s.exp_avg().copy_(s.exp_avg().to(at::kBFloat16));
+      s.exp_avg_sq().copy_(s.exp_avg_sq().to(at::kBFloat16));
+    }
   }
   auto& s = static_cast<FusedAdamParamState&>(*low.state().at(a[0].unsafeGetTensorImpl()));
   EXPECT_EQ(s.exp_avg().scalar_type(), at::kBFloat16);
-  // bf16 keeps 8 bits: the moments, and so the steps, agree to about 1%.
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(displacement_err(a[i], b[i], start[i]), 2e-2) << i;
+  // The update uses the fp32 moments of this step and stores them rounded, as the peer does: the
+  // same trajectory up to fp32 rounding. (Against unrounded fp32 moments the gap is about 1%, and
+  // more where a moment nearly cancels, so that is no bound to test against.)
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_LT(displacement_err(a[i], b[i], start[i]), 1e-5) << i;
 }
 
 TEST_P(ApiAdam, ParamGroupsKeepTheirOwnOptionsAndParamsWithoutGradsStayUntouched) {
