@@ -23,6 +23,12 @@ void lamb_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
                bool adam_w_mode, double max_grad_norm, bool use_nvlamb, int64_t step,
                const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& global_grad_norm,
+               const std::optional<at::Tensor>& local_norms, const std::optional<at::Tensor>& trust_norms,
                LambRunners run);
+
+// Checks that do not need data (list lengths, the split step's norm shapes), shared with the Meta impl.
+void lamb_check_shapes(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                       at::TensorList exp_avg_sqs, at::TensorList master_params,
+                       const std::optional<at::Tensor>& local_norms, const std::optional<at::Tensor>& trust_norms);
 
 }  // namespace mixprec::detail

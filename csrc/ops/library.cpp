@@ -72,12 +72,17 @@ TORCH_LIBRARY(mixprec, m) {
   // global gradient norm (global_grad_norm, the unscaled norm over all groups, computed here
   // from grads when None), per-tensor trust ratio ||w|| / ||update||, use_nvlamb applying it
   // also to tensors without weight decay; adam_w_mode picks decoupled decay.
+  // Sharded tensors (FSDP2) need whole-tensor norms between the op's two passes, so the step
+  // can be split in two calls with the same arguments: with local_norms (float32 [2, n]) the op
+  // runs the first pass only (step count, moments) and writes ||w|| and ||u|| of each tensor as
+  // given (a shard) into it; the caller reduces them across ranks and passes the result as
+  // trust_norms, and that call runs the second pass only (the update).
   m.def(
       "lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool bias_correction, bool grad_averaging, bool adam_w_mode, float max_grad_norm, "
       "bool use_nvlamb, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
-      "Tensor? global_grad_norm=None) -> ()");
+      "Tensor? global_grad_norm=None, Tensor(g!)? local_norms=None, Tensor? trust_norms=None) -> ()");
   // Adagrad with torch.optim.Adagrad's lr_decay; adagrad_w_mode (Apex) decays decoupled,
   // otherwise the L2 term is added to the gradient.
   m.def(
@@ -87,11 +92,13 @@ TORCH_LIBRARY(mixprec, m) {
       "Tensor? found_inf=None) -> ()");
   // NovoGrad (Ginsburg et al. 2019) with Apex's options: a per-tensor second moment
   // (exp_avg_sq_norms, float32 [len(params)]) from the norm of each gradient (norm_type 2 or
-  // inf), grad_averaging, reg_inside_moment, init_zero.
+  // inf), grad_averaging, reg_inside_moment, init_zero. grad_norms (float32 [len(params)], the
+  // norms of the grads as stored, still scaled) replaces the op's own norm pass: for sharded
+  // tensors, whose whole-tensor norms the caller reduces across ranks.
   m.def(
       "novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!) exp_avg_sq_norms, "
       "Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool bias_correction, bool grad_averaging, bool reg_inside_moment, float norm_type, "
       "bool init_zero, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None) -> ()");
+      "Tensor? found_inf=None, Tensor? grad_norms=None) -> ()");
 }

@@ -50,10 +50,28 @@ void check_list_length(const char* name, int64_t got, int64_t n, const char* hin
                     num(n), hint);
 }
 
+// A float32 vector of one value per tensor of params (exp_avg_sq_norms, grad_norms): its shape,
+// symbolically, since the Meta impl sees torch.compile's fake tensors.
+void check_per_tensor_shape(const char* arg, const at::Tensor& t, int64_t n, const char* meaning) {
+  const std::string what = arg_name(kOp, arg);
+  TORCH_CHECK(t.defined(), what, " is undefined");
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_numel() == n, what, " must have shape [", num(n), "] (", meaning,
+                    "), got ", shape(t.sym_sizes()));
+}
+
+// ... and its storage, once the op's device is known.
+void check_per_tensor_storage(const char* arg, const at::Tensor& t, const at::Device& device) {
+  const std::string what = arg_name(kOp, arg);
+  TORCH_CHECK(t.device() == device, what, " is on ", t.device(), " but the op runs on ", device);
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, what, " has dtype ", t.scalar_type(), "; expected float32");
+  TORCH_CHECK(t.is_contiguous(), what, " is not contiguous");
+}
+
 }  // namespace
 
 void novograd_check_shapes(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           const at::Tensor& exp_avg_sq_norms, at::TensorList master_params) {
+                           const at::Tensor& exp_avg_sq_norms, at::TensorList master_params,
+                           const std::optional<at::Tensor>& grad_norms) {
   // Plain calls rather than a loop over a braced list: built with GCC 13.3 against torch 2.11, a
   // length error thrown from such a loop here crashed the process (cause not established).
   const int64_t n = static_cast<int64_t>(params.size());
@@ -62,12 +80,8 @@ void novograd_check_shapes(at::TensorList params, at::TensorList grads, at::Tens
   if (!master_params.empty())
     check_list_length("master_params", static_cast<int64_t>(master_params.size()), n,
                       " (pass an empty list for no master weights)");
-  const std::string what = arg_name(kOp, "exp_avg_sq_norms");
-  TORCH_CHECK(exp_avg_sq_norms.defined(), what, " is undefined");
-  // Symbolic sizes: the Meta impl sees torch.compile's fake tensors.
-  TORCH_CHECK_VALUE(exp_avg_sq_norms.dim() == 1 && exp_avg_sq_norms.sym_numel() == n, what,
-                    " must have shape [", num(n), "] (one second moment per tensor of params), got ",
-                    shape(exp_avg_sq_norms.sym_sizes()));
+  check_per_tensor_shape("exp_avg_sq_norms", exp_avg_sq_norms, n, "one second moment per tensor of params");
+  if (grad_norms) check_per_tensor_shape("grad_norms", *grad_norms, n, "one gradient norm per tensor of params");
 }
 
 void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, const at::Tensor& exp_avg_sq_norms,
@@ -75,26 +89,23 @@ void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList e
                    double beta2, double eps, double weight_decay, bool bias_correction, bool grad_averaging,
                    bool reg_inside_moment, double norm_type, bool init_zero, int64_t step,
                    const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf, NovoGradRunners run) {
+                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& given_grad_norms,
+                   NovoGradRunners run) {
   // Everything is checked before anything runs, so a rejected call modifies nothing.
   check_range(kOp, "beta1", beta1, 0.0, 1.0, /*hi_open=*/true);
   check_range(kOp, "beta2", beta2, 0.0, 1.0, /*hi_open=*/true);
   check_range(kOp, "eps", eps, 0.0, INFINITY, true);
   check_range(kOp, "weight_decay", weight_decay, 0.0, INFINITY, true);
   const kernels::NormType type = novograd_norm_type(norm_type);
-  novograd_check_shapes(params, grads, exp_avgs, exp_avg_sq_norms, master_params);
+  novograd_check_shapes(params, grads, exp_avgs, exp_avg_sq_norms, master_params, given_grad_norms);
   if (params.empty()) return;
 
   const at::Device device = op_device(kOp, {"params", params}, std::nullopt);
   // The step count is needed for bias correction and, without init_zero, to know the first step.
   const kernels::StepScalars scalars = step_scalars(kOp, device, step_tensor, step, lr, lr_tensor, grad_scale,
                                                     found_inf, /*needs_step=*/bias_correction || !init_zero);
-  const std::string norms_name = arg_name(kOp, "exp_avg_sq_norms");
-  TORCH_CHECK(exp_avg_sq_norms.device() == device, norms_name, " is on ", exp_avg_sq_norms.device(),
-              " but the op runs on ", device);
-  TORCH_CHECK_TYPE(exp_avg_sq_norms.scalar_type() == at::kFloat, norms_name, " has dtype ",
-                   exp_avg_sq_norms.scalar_type(), "; expected float32");
-  TORCH_CHECK(exp_avg_sq_norms.is_contiguous(), norms_name, " is not contiguous");
+  check_per_tensor_storage("exp_avg_sq_norms", exp_avg_sq_norms, device);
+  if (given_grad_norms) check_per_tensor_storage("grad_norms", *given_grad_norms, device);
 
   const NamedList param_list{"params", params}, avg_list{"exp_avgs", exp_avgs};
   check_state_dtypes(kOp, avg_list, /*allow_bf16=*/false);
@@ -106,10 +117,10 @@ void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList e
 
   const c10::DeviceGuard guard(device);
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
-  // Per-tensor norms of the grads as stored (the moment update unscales them). Empty tensors get
-  // no kernel: their norm is this zero, and their v is still blended, as in Apex.
-  at::Tensor grad_norms = at::zeros({packed.num_tensors}, opts);
-  if (packed.total_chunks > 0) {
+  // Per-tensor norms of the grads as stored (the moment update unscales them), unless given.
+  // Empty tensors get no kernel: their norm is this zero, and their v is still blended, as in Apex.
+  at::Tensor grad_norms = given_grad_norms ? *given_grad_norms : at::zeros({packed.num_tensors}, opts);
+  if (!given_grad_norms && packed.total_chunks > 0) {
     at::Tensor partials = at::empty({packed.total_chunks}, opts);
     at::Tensor total = at::empty({}, opts);  // the finalize always writes it; unused here
     for (const kernels::TensorGroup& g : grad_groups(packed)) {

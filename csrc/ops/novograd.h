@@ -26,10 +26,12 @@ void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList e
                    double beta2, double eps, double weight_decay, bool bias_correction, bool grad_averaging,
                    bool reg_inside_moment, double norm_type, bool init_zero, int64_t step,
                    const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf, NovoGradRunners run);
+                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_norms,
+                   NovoGradRunners run);
 
 // Checks that do not need data (list lengths, exp_avg_sq_norms' size), shared with the Meta impl.
 void novograd_check_shapes(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           const at::Tensor& exp_avg_sq_norms, at::TensorList master_params);
+                           const at::Tensor& exp_avg_sq_norms, at::TensorList master_params,
+                           const std::optional<at::Tensor>& grad_norms);
 
 }  // namespace mixprec::detail

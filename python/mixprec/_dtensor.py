@@ -1,6 +1,6 @@
-"""DTensor inputs (FSDP2's sharded parameters, tensor parallelism) to mixprec's ops: element-wise
-ops run on each rank's local shard; ops that take norms refuse shards, whose norm is not the
-tensor's."""
+"""DTensor inputs (FSDP2's sharded parameters, tensor parallelism) to mixprec's ops: every op
+runs on each rank's local shards; ops that need norms of whole tensors (LAMB's trust ratio,
+NovoGrad's second moments, multi_tensor_norm) reduce the shards' norms across ranks."""
 
 from __future__ import annotations
 
@@ -47,14 +47,14 @@ def _kind(placement) -> str:
     return "replicate"
 
 
-def local_lists(op: str, lists: Sequence[Sequence[torch.Tensor]], *, elementwise: bool) -> list[list[torch.Tensor]]:
+def local_lists(op: str, lists: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
     """``lists`` (params first, then grads, states, masters: entry i of each belongs together)
     with every DTensor replaced by its local shard.
 
-    Element-wise ops (``elementwise=True``) accept Shard and Replicate placements when every
-    DTensor of entry i has the placements of ``lists[0][i]`` (so the shards line up element by
-    element); Partial placements (values still to be summed across ranks) are refused. Ops that
-    take norms accept Replicate only: a norm of one shard is not the norm of the tensor."""
+    Shard and Replicate placements are accepted when every DTensor of entry i has the placements
+    of ``lists[0][i]`` (so the shards line up element by element); Partial placements (values
+    still to be summed across ranks) are refused. Ops that take norms of whole tensors reduce
+    their per-shard norms across ranks with :func:`shard_layout` and :func:`reduce_shard_norms`."""
     cls = dtensor_type()
     head = lists[0]
     # Only the first list is scanned (every step, so cheaply): state made from a DTensor
@@ -75,13 +75,8 @@ def local_lists(op: str, lists: Sequence[Sequence[torch.Tensor]], *, elementwise
             if "partial" in kinds:
                 raise ValueError(f"mixprec::{op}: list {li} index {i} is a DTensor with Partial placements "
                                  f"{t.placements}; reduce it first (FSDP2 hands the optimizer Shard placements)")
-            if not elementwise and "shard" in kinds:
-                raise NotImplementedError(
-                    f"mixprec::{op} takes norms of whole tensors, but list {li} index {i} is sharded "
-                    f"({t.placements}): a norm of the local shard is not the tensor's. Use FusedAdam, FusedSGD "
-                    "or FusedAdagrad with FSDP2, or keep these parameters replicated")
             ref = head[i] if i < len(head) else None
-            if elementwise and ref is not None and t is not ref and isinstance(ref, cls) and (
+            if ref is not None and t is not ref and isinstance(ref, cls) and (
                     t.placements != ref.placements or t.device_mesh != ref.device_mesh):
                 raise ValueError(f"mixprec::{op}: list {li} index {i} is laid out as {t.placements} but the parameter "
                                  f"as {ref.placements}; their local shards would not line up")
@@ -90,14 +85,46 @@ def local_lists(op: str, lists: Sequence[Sequence[torch.Tensor]], *, elementwise
     return out
 
 
-def refuse_sharded(owner: str, params: Sequence[torch.Tensor], why: str) -> None:
-    """NotImplementedError when any of ``params`` is a DTensor sharded across ranks."""
+#: Which tensors of a list are sharded over which mesh dimension: {(mesh, mesh dim): [indices]}.
+ShardLayout = dict
+
+
+def shard_layout(tensors: Sequence[torch.Tensor]) -> Optional[ShardLayout]:
+    """For each (device mesh, mesh dimension) some of ``tensors`` are sharded over, the indices of
+    those tensors; None when none is sharded (plain tensors, replicated DTensors), the case where
+    a norm of the local tensor is the norm of the whole one."""
     cls = dtensor_type()
     if cls is None:
-        return
-    for i, p in enumerate(params):
-        if isinstance(p, cls) and any(not pl.is_replicate() for pl in p.placements):
-            raise NotImplementedError(
-                f"{owner} does not support sharded parameters (FSDP2's fully_shard, tensor parallelism): parameter "
-                f"{i} is laid out as {p.placements}. {why} Use FusedAdam, FusedSGD or FusedAdagrad, whose steps are "
-                "element-wise, or keep these parameters replicated")
+        return None
+    layout: ShardLayout = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, cls):
+            for dim, placement in enumerate(t.placements):
+                if placement.is_shard():
+                    layout.setdefault((t.device_mesh, dim), []).append(i)
+    return layout or None
+
+
+def reduce_shard_norms(layout: ShardLayout, norms: torch.Tensor, ord: float) -> torch.Tensor:
+    """Norms of whole tensors from ``norms`` (float32 ``[..., n]``: each rank's norms of its
+    shards of n tensors): the squares summed (``ord`` 2) or the maxima taken (``ord`` inf) over
+    the process group of every mesh dimension each tensor is sharded over. One all-reduce per
+    mesh dimension, queued on the device like any collective (no host sync on NCCL)."""
+    import torch.distributed as dist
+
+    l2 = ord == 2
+    values = norms.square() if l2 else norms.clone()
+    op = dist.ReduceOp.SUM if l2 else dist.ReduceOp.MAX
+    n = values.shape[-1]
+    # Mesh dimensions in turn: a tensor sharded over several is summed over each, which sums it
+    # over all of their ranks.
+    for (mesh, dim), indices in layout.items():
+        group = mesh.get_group(dim)
+        if len(indices) == n:  # the usual case under FSDP2: every tensor sharded alike
+            dist.all_reduce(values, op=op, group=group)
+            continue
+        where = torch.tensor(indices, dtype=torch.int64).to(values.device, non_blocking=True)
+        part = values.index_select(-1, where)
+        dist.all_reduce(part, op=op, group=group)
+        values.index_copy_(-1, where, part)
+    return values.sqrt() if l2 else values

@@ -3,7 +3,8 @@
 Every function is a thin call through the dispatcher, so the same kernels serve Python, C++ and
 torch.compile. Device scalars (found_inf, inv_scale, ...) are one-element float32 tensors on the
 device of the tensor lists. DTensors (FSDP2's sharded parameters) are taken by their local
-shards where that is exact (see ``_dtensor.local_lists``).
+shards (see ``_dtensor.local_lists``); where an op needs norms of whole tensors, the norms of the
+shards are reduced across ranks between the op's passes (``_dtensor.reduce_shard_norms``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import _library
-from ._dtensor import local_lists
+from ._dtensor import local_lists, reduce_shard_norms, shard_layout
 
 _library.load()
 _ops = torch.ops.mixprec
@@ -35,7 +36,7 @@ def non_finite_check_and_unscale_(
     a non-finite value, at no extra pass. Like ``found_inf`` it is only ever set, never cleared:
     zero both before a step. ``found_inf=None`` gives pure scaling.
     """
-    grads, out = local_lists("non_finite_check_and_unscale_", (grads, out), elementwise=True)
+    grads, out = local_lists("non_finite_check_and_unscale_", (grads, out))
     _ops.non_finite_check_and_unscale_(grads, found_inf, inv_scale, out, per_tensor_found)
 
 
@@ -75,14 +76,22 @@ def multi_tensor_norm(
 
     Returns ``(total, per_tensor_norms)``: a 0-dim float32 tensor and a float32 vector of
     ``len(tensors)`` (empty unless ``per_tensor``). Accumulates in float32, deterministically.
+    Sharded DTensors count whole: their shards' norms are combined across ranks (a collective
+    every rank must join).
     """
-    (tensors,) = local_lists("multi_tensor_norm", (tensors,), elementwise=False)
-    return _ops.multi_tensor_norm(tensors, float(ord), per_tensor)
+    layout = shard_layout(tensors)
+    (tensors,) = local_lists("multi_tensor_norm", (tensors,))
+    if layout is None:
+        return _ops.multi_tensor_norm(tensors, float(ord), per_tensor)
+    _, local_norms = _ops.multi_tensor_norm(tensors, float(ord), True)
+    norms = reduce_shard_norms(layout, local_norms, float(ord))
+    total = norms.amax() if ord != 2 else torch.linalg.vector_norm(norms)
+    return total, norms if per_tensor else norms.new_empty(0)
 
 
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies every tensor in place by the device scalar ``scale`` (e.g. a clip coefficient)."""
-    (tensors,) = local_lists("scale_", (tensors,), elementwise=True)
+    (tensors,) = local_lists("scale_", (tensors,))
     _ops.non_finite_check_and_unscale_(tensors, None, scale, [], None)
 
 
@@ -123,7 +132,7 @@ def adam_(
             raise ValueError("mixprec::adam_: params is empty but other lists are not")
         return
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params = local_lists(
-        "adam_", (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params), elementwise=True)
+        "adam_", (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params))
     _ops.adam_(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
         step_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
@@ -156,7 +165,7 @@ def sgd_(
     arguments (master_params, step_tensor, step, lr_tensor, grad_scale, found_inf) are as in
     :func:`adam_`."""
     params, grads, momentum_buffers, master_params = local_lists(
-        "sgd_", (params, grads, momentum_buffers, master_params), elementwise=True)
+        "sgd_", (params, grads, momentum_buffers, master_params))
     _ops.sgd_(
         params, grads, momentum_buffers, master_params, step_tensor, lr=lr,
         momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
@@ -191,15 +200,38 @@ def lamb_(
 ) -> None:
     """One fused LAMB step. ``global_grad_norm`` (float32, one element) is the norm of the
     unscaled gradients over every group, used for clipping to ``max_grad_norm``; when None it
-    is computed from ``grads``. Shared arguments as in :func:`adam_`."""
+    is computed from ``grads``. Shared arguments as in :func:`adam_`.
+
+    Sharded DTensors (FSDP2) take whole-tensor norms: the global gradient norm, and between the
+    op's two passes each tensor's ||w|| and ||u||, are reduced across ranks (collectives every
+    rank must join, queued on the device)."""
+    layout = shard_layout(params)
     params, grads, exp_avgs, exp_avg_sqs, master_params = local_lists(
-        "lamb_", (params, grads, exp_avgs, exp_avg_sqs, master_params), elementwise=False)
-    _ops.lamb_(
-        params, grads, exp_avgs, exp_avg_sqs, master_params, step_tensor, lr=lr,
-        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-        grad_averaging=grad_averaging, adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm, use_nvlamb=use_nvlamb,
-        step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf, global_grad_norm=global_grad_norm,
-    )
+        "lamb_", (params, grads, exp_avgs, exp_avg_sqs, master_params))
+
+    def run(**split):
+        _ops.lamb_(
+            params, grads, exp_avgs, exp_avg_sqs, master_params, step_tensor, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
+            grad_averaging=grad_averaging, adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+            global_grad_norm=global_grad_norm, **split,
+        )
+
+    if layout is None or not params:
+        run()
+        return
+    if global_grad_norm is None and 0.0 < max_grad_norm < float("inf"):
+        (_, local_norms) = _ops.multi_tensor_norm(grads, 2.0, True)
+        global_grad_norm = torch.linalg.vector_norm(reduce_shard_norms(layout, local_norms, 2.0)).reshape(1)
+        if grad_scale is not None:
+            global_grad_norm = global_grad_norm / grad_scale  # the op takes a given norm unscaled
+    if weight_decay == 0.0 and not use_nvlamb:
+        run()  # no trust ratio: one element-wise pass
+        return
+    local_norms = torch.empty((2, len(params)), dtype=torch.float32, device=params[0].device)
+    run(local_norms=local_norms)  # step count, moments; ||w||, ||u|| of the shards
+    run(trust_norms=reduce_shard_norms(layout, local_norms, 2.0))  # the update, with whole-tensor norms
 
 
 def adagrad_(
@@ -223,7 +255,7 @@ def adagrad_(
     """One fused Adagrad step (torch.optim.Adagrad's lr_decay; ``adagrad_w_mode`` decays weights
     decoupled as Apex does). Shared arguments as in :func:`adam_`."""
     params, grads, state_sums, master_params = local_lists(
-        "adagrad_", (params, grads, state_sums, master_params), elementwise=True)
+        "adagrad_", (params, grads, state_sums, master_params))
     _ops.adagrad_(
         params, grads, state_sums, master_params, step_tensor, lr=lr, eps=eps,
         weight_decay=weight_decay, lr_decay=lr_decay, adagrad_w_mode=adagrad_w_mode, maximize=maximize, step=step,
@@ -256,12 +288,19 @@ def novograd_(
 ) -> None:
     """One fused NovoGrad step: per-tensor second moments in ``exp_avg_sq_norms`` (float32,
     ``len(params)``), from each gradient's norm (``norm_type`` 2 or inf). Shared arguments as in
-    :func:`adam_`."""
+    :func:`adam_`. Sharded DTensors (FSDP2) take the norms of whole gradients, reduced across
+    ranks (a collective every rank must join); ``exp_avg_sq_norms`` is then the same on every rank."""
+    layout = shard_layout(params)
     params, grads, exp_avgs, master_params = local_lists(
-        "novograd_", (params, grads, exp_avgs, master_params), elementwise=False)
+        "novograd_", (params, grads, exp_avgs, master_params))
+    grad_norms = None
+    if layout is not None and params:
+        _, local_norms = _ops.multi_tensor_norm(grads, float(norm_type), True)
+        grad_norms = reduce_shard_norms(layout, local_norms, float(norm_type))
     _ops.novograd_(
         params, grads, exp_avgs, exp_avg_sq_norms, master_params, step_tensor, lr=lr,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
         grad_averaging=grad_averaging, reg_inside_moment=reg_inside_moment, norm_type=float(norm_type),
         init_zero=init_zero, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+        grad_norms=grad_norms,
     )

@@ -1,7 +1,8 @@
 # mixprec under FSDP2 (fully_shard), 2 gloo ranks on the CPU (every GPU with NCCL, marked cuda):
-# fused optimizers on sharded DTensor parameters with sharded master weights, GradScaler's
-# found_inf agreed over the shards, the MixedPrecisionPolicy route to O2 against amp's O2 in one
-# process, torch.distributed.checkpoint round trips, and clear errors where sharding cannot work.
+# fused optimizers on sharded DTensor parameters with sharded master weights (LAMB and NovoGrad
+# with norms of whole tensors reduced across ranks), GradScaler's found_inf agreed over the
+# shards, the MixedPrecisionPolicy route to O2 against amp's O2 in one process,
+# torch.distributed.checkpoint round trips, and clear errors where sharding cannot work.
 from __future__ import annotations
 
 import math
@@ -23,6 +24,13 @@ OPTIMIZERS = {
     "adam": lambda ps, mw: FusedAdam(ps, lr=1e-2, eps=1e-4, weight_decay=0.01, master_weights=mw),
     "sgd": lambda ps, mw: FusedSGD(ps, lr=0.05, momentum=0.9, master_weights=mw),
     "adagrad": lambda ps, mw: FusedAdagrad(ps, lr=0.05, master_weights=mw),
+    # Norms of whole tensors: LAMB's global gradient norm (clipping active: max_grad_norm below
+    # this model's gradient norm) and trust ratios, NovoGrad's per-tensor second moments.
+    "lamb": lambda ps, mw: FusedLAMB(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.05, master_weights=mw),
+    "nvlamb": lambda ps, mw: FusedLAMB(ps, lr=1e-2, weight_decay=0.0, adam_w_mode=False, use_nvlamb=True,
+                                       max_grad_norm=0.0, master_weights=mw),
+    "novograd": lambda ps, mw: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01, master_weights=mw),
+    "novograd_inf": lambda ps, mw: FusedNovoGrad(ps, lr=1e-2, norm_type=0, master_weights=mw),
     "torch_adamw": lambda ps, mw: torch.optim.AdamW(ps, lr=1e-2, eps=1e-4),  # the StepGuard path
 }
 
@@ -115,8 +123,9 @@ def _reference(mode, kind, dtype, seed, world, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode,kind,dtype", [
     ("fp32", "adam", torch.float32), ("fp32", "sgd", torch.float32), ("fp32", "adagrad", torch.float32),
-    ("o2", "sgd", torch.float16), ("o2", "sgd", torch.bfloat16), ("masters", "sgd", torch.float16),
-    ("masters", "sgd", torch.bfloat16)])
+    ("fp32", "lamb", torch.float32), ("fp32", "nvlamb", torch.float32), ("fp32", "novograd", torch.float32),
+    ("fp32", "novograd_inf", torch.float32), ("o2", "sgd", torch.float16), ("o2", "sgd", torch.bfloat16),
+    ("masters", "sgd", torch.float16), ("masters", "sgd", torch.bfloat16), ("masters", "lamb", torch.bfloat16)])
 def test_fsdp2_matches_one_process_on_the_concatenated_batch(backend, mode, kind, dtype, seed):
     results = run_ranks(_fsdp_rank, mode, kind, dtype, seed, False, False, backend=backend[0], device=backend[1])
     start, ref = _reference(mode, kind, dtype, seed, len(results), torch.device(backend[1]))
@@ -203,7 +212,8 @@ def _dcp_rank(rank, world, device, mode, kind, dtype, seed, path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode,kind,dtype", [("o2", "adam", torch.float16), ("masters", "adam", torch.bfloat16),
-                                             ("fp32", "sgd", torch.float32)])
+                                             ("fp32", "sgd", torch.float32), ("masters", "lamb", torch.float16),
+                                             ("fp32", "novograd", torch.float32)])
 def test_fsdp2_dcp_checkpoint_round_trip_continues_identically(backend, mode, kind, dtype, seed, tmp_path):
     results = run_ranks(_dcp_rank, mode, kind, dtype, seed, str(tmp_path), backend=backend[0], device=backend[1])
     for r in results:
@@ -212,35 +222,21 @@ def test_fsdp2_dcp_checkpoint_round_trip_continues_identically(backend, mode, ki
         assert all(torch.equal(a, b) for a, b in zip(saved, loaded))
 
 
-def _refusals_rank(rank, world, device, seed):
-    out = {}
-    for name, make in (("lamb", lambda ps: FusedLAMB(ps, lr=1e-3)), ("novograd", lambda ps: FusedNovoGrad(ps))):
-        model = _shard(make_model(seed).to(device))
-        opt = make(model.parameters())
-        x, y = shard_of(make_batches(seed, 1, world)[0], rank, world, device)
-        loss_fn(model(x), y).backward()
-        before = full_params(model)
-        try:
-            opt.step()
-            out[name] = None
-        except NotImplementedError as e:
-            out[name] = str(e)
-        out[name + "_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, full_params(model)))
+def _amp_refusal_rank(rank, world, device, seed):
     model = _shard(make_model(seed).to(device))
+    before = full_params(model)
     try:
         amp.initialize(model, FusedAdam(model.parameters()), opt_level="O2", verbosity=0)
-        out["amp"] = None
+        message = None
     except RuntimeError as e:
-        out["amp"] = str(e)
-    return out
+        message = str(e)
+    return {"amp": message, "unchanged": all(torch.equal(a, b) for a, b in zip(before, full_params(model)))}
 
 
-def test_fsdp2_refuses_what_sharding_would_get_wrong(seed):
-    for r in run_ranks(_refusals_rank, seed):
-        assert "FusedLAMB does not support sharded parameters" in r["lamb"] and "trust ratio" in r["lamb"]
-        assert "FusedNovoGrad does not support sharded parameters" in r["novograd"]
-        assert r["lamb_unchanged"] and r["novograd_unchanged"]
-        assert "mixed_precision_policy" in r["amp"]
+def test_fsdp2_amp_initialize_refuses_to_cast_a_sharded_model(seed):
+    # FSDP2 owns the storage of its parameters: O2 goes through its MixedPrecisionPolicy instead.
+    for r in run_ranks(_amp_refusal_rank, seed):
+        assert "mixed_precision_policy" in r["amp"] and r["unchanged"]
 
 
 def test_mixed_precision_policy_maps_opt_levels():
@@ -291,12 +287,57 @@ def _dtensor_inputs_rank(rank, world, device, seed):
     partial = [distribute_tensor(t.clone(), mesh, [Shard(0)]) for t in full]
     partial[1] = type(partial[1]).from_local(full[1].clone(), mesh, [Partial()])  # a gradient not yet summed
     attempt("partial", lambda: adam(partial))
-    attempt("norm_sharded", lambda: mixprec.multi_tensor_norm([sharded[0]]))
     replicated = distribute_tensor(full[0].clone(), mesh, [Replicate()])
     out["norm_replicated"] = torch.equal(mixprec.multi_tensor_norm([replicated])[0], mixprec.multi_tensor_norm([full[0]])[0])
+    # Norms of whole tensors from shards: unevenly sharded (a 1-row tensor leaves rank 1 an empty
+    # shard), mixed with replicated and plain ones, L2 and infinity norms.
+    odd = torch.randn(1, 4, generator=g).to(device)
+    mixed_norm_inputs = [sharded[0], distribute_tensor(odd.clone(), mesh, [Shard(0)]), replicated, full[1]]
+    whole_inputs = [sharded[0].full_tensor(), odd, full[0], full[1]]  # sharded[0] took the Adam step above
+    out["norms"] = {}
+    for ord in (2.0, math.inf):
+        total, per = mixprec.multi_tensor_norm(mixed_norm_inputs, ord, per_tensor=True)
+        want_total, want_per = mixprec.multi_tensor_norm(whole_inputs, ord, per_tensor=True)
+        out["norms"][ord] = (float(total), float(want_total), per.cpu(), want_per.cpu())
+    # LAMB (split step, trust ratios) and NovoGrad (second moments) on shards = on whole tensors.
+    out["lamb"] = _fused_on_shards_vs_whole(mesh, g, device, "lamb")
+    out["novograd"] = _fused_on_shards_vs_whole(mesh, g, device, "novograd")
     plain_state = [sharded[0], sharded[1], full[2].clone(), sharded[3]]
     attempt("plain_state", lambda: adam(plain_state))
     return out
+
+
+def _fused_on_shards_vs_whole(mesh, g, device, op):
+    """The largest relative difference between ``op`` (lamb or novograd, with fp32 masters of
+    bf16 params) stepped on Shard(0) DTensors, some sharded unevenly, and on the whole tensors."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    shapes = [(6, 4), (1, 4), (5, 3), (2,)]
+    params = [torch.randn(s, generator=g).to(device, torch.bfloat16) for s in shapes]
+    lists = dict(params=params, grads=[torch.randn(s, generator=g).to(device, torch.bfloat16) for s in shapes],
+                 exp_avgs=[0.1 * torch.randn(s, generator=g).to(device) for s in shapes],
+                 masters=[p.float() for p in params])
+    if op == "lamb":
+        lists["exp_avg_sqs"] = [0.01 * torch.rand(s, generator=g).to(device) for s in shapes]
+    whole = {k: [t.clone() for t in v] for k, v in lists.items()}
+    shards = {k: [distribute_tensor(t.clone(), mesh, [Shard(0)]) for t in v] for k, v in lists.items()}
+    for ls in (whole, shards):
+        if op == "lamb":
+            mixprec.lamb_(ls["params"], ls["grads"], ls["exp_avgs"], ls["exp_avg_sqs"], lr=0.1, beta1=0.9,
+                          beta2=0.999, eps=1e-6, weight_decay=0.01, max_grad_norm=1.0, master_params=ls["masters"],
+                          step=2, grad_scale=torch.full((1,), 4.0, device=device))
+        else:
+            moments = torch.full((len(shapes),), 3.0, device=device)
+            mixprec.novograd_(ls["params"], ls["grads"], ls["exp_avgs"], moments, lr=0.1, beta1=0.9, beta2=0.98,
+                              eps=1e-8, weight_decay=0.01, master_params=ls["masters"], step=2)
+            ls["moments"] = [moments]
+    worst = 0.0
+    for key, wants in whole.items():
+        for got, want in zip(shards[key], wants):
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            scale = float(want.double().norm()) or 1.0
+            worst = max(worst, float((got.double() - want.double()).norm()) / scale)
+    return worst
 
 
 def test_fused_ops_take_dtensor_shards_and_refuse_what_would_be_wrong(seed):
@@ -304,5 +345,9 @@ def test_fused_ops_take_dtensor_shards_and_refuse_what_would_be_wrong(seed):
         assert r["changed"] and r["sharded_matches"] and r["norm_replicated"]
         assert "ValueError: mixprec::adam_: list 2 index 0 is laid out as" in r["placements"]
         assert "Partial" in r["partial"] and r["partial"].startswith("ValueError")
-        assert r["norm_sharded"].startswith("NotImplementedError: mixprec::multi_tensor_norm takes norms")
         assert "plain tensor but the parameter is a DTensor" in r["plain_state"]
+        for ord, (total, want_total, per, want_per) in r["norms"].items():
+            assert math.isclose(total, want_total, rel_tol=1e-6), (ord, total, want_total)
+            assert torch.allclose(per, want_per, rtol=1e-6, atol=0.0), (ord, per, want_per)
+        # Reduction order only; a shard's own norms in place of the whole tensor's differ by O(1).
+        assert r["lamb"] < 1e-6 and r["novograd"] < 1e-6, (r["lamb"], r["novograd"])

@@ -205,6 +205,114 @@ def test_empty_lists_and_zero_size_tensors(device):
     assert float(step_t) == 3.0  # zero-size tensors still make a step
 
 
+# ---- the step split in two, for sharded tensors (see the op's schema) ----------------------------
+
+
+def _split_state(device, gen, masters: bool):
+    sizes = (CHUNK + 1, 0, 7, 300)
+    dtypes = (torch.float16, torch.float32, torch.bfloat16, torch.float32)
+    params = [random_tensor(s, d, device, gen) for s, d in zip(sizes, dtypes)]
+    return dict(
+        params=params,
+        grads=[random_tensor(s, torch.float16, device, gen, 64.0) for s in sizes],
+        ms=[random_tensor(s, torch.float32, device, gen, 0.1) for s in sizes],
+        vs=[random_tensor(s, torch.float32, device, gen, 0.01).abs() for s in sizes],
+        masters=[p.float() + random_tensor(p.shape, torch.float32, device, gen, 1e-3) for p in params] if masters else [],
+        step=scalar(2.0, device),
+    )
+
+
+def _raw_lamb(st, device, **kw):
+    """torch.ops.mixprec.lamb_ itself: the split arguments are the op's, not the wrapper's."""
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, bias_correction=True, grad_averaging=True,
+              adam_w_mode=True, max_grad_norm=1.0, use_nvlamb=False, grad_scale=scalar(64.0, device),
+              found_inf=scalar(0.0, device))
+    hp.update(kw)
+    torch.ops.mixprec.lamb_(st["params"], st["grads"], st["ms"], st["vs"], st["masters"], st["step"], **hp)
+
+
+@pytest.mark.parametrize("masters", [False, True])
+@pytest.mark.parametrize("variant", [dict(), dict(adam_w_mode=False, weight_decay=0.0, use_nvlamb=True)],
+                         ids=["decoupled", "l2_nvlamb"])
+def test_split_step_equals_the_whole_step(device, gen, masters, variant):
+    # With the first half's norms handed straight back (one rank: each "shard" is the whole
+    # tensor), the two calls are the one-call step bit for bit; the first half changes no weight,
+    # counts the step once, and writes ||w|| and ||u|| per tensor (0 for an empty one).
+    whole = _split_state(device, gen, masters)
+    split = {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in whole.items()}
+    _raw_lamb(whole, device, **variant)
+    weights_before = snapshot(split["masters"] or split["params"])
+    norms = poison_(torch.empty(2, len(split["params"]), device=device))
+    _raw_lamb(split, device, local_norms=norms, **variant)
+    sync(device)
+    assert_unchanged(split["masters"] or split["params"], weights_before, "weights after the first half")
+    assert float(split["step"]) == 3.0
+    assert float(norms[0, 1]) == 0.0 and float(norms[1, 1]) == 0.0, "the empty tensor's norms"
+    for i, w in enumerate(weights_before):
+        if w.numel():
+            assert_rel_err(norms[0, i:i + 1], torch.linalg.vector_norm(w.double()).reshape(1), 1e-5, f"||w[{i}]||")
+            assert float(norms[1, i]) > 0.0
+    _raw_lamb(split, device, trust_norms=norms, **variant)
+    assert float(split["step"]) == 3.0, "the second half counted the step again"
+    for key in ("params", "ms", "vs", "masters"):
+        for i, (a, b) in enumerate(zip(split[key], whole[key])):
+            assert_bitwise_equal(a, b, f"{key}[{i}]")
+
+
+def test_split_step_uses_the_norms_it_is_given(device, gen):
+    # What FSDP2 relies on: the second half applies the trust ratio of the norms handed in (the
+    # whole tensors' norms), not of the local tensors. Doubling ||w|| doubles every update of the
+    # fp32 masters (up to their rounding after the update).
+    seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+    updates = []
+    for factor in (1.0, 2.0):
+        st = _split_state(device, torch.Generator().manual_seed(seed), True)
+        before = snapshot(st["masters"])
+        norms = torch.empty(2, len(st["params"]), device=device)
+        _raw_lamb(st, device, local_norms=norms)
+        norms[0] *= factor
+        _raw_lamb(st, device, trust_norms=norms)
+        updates.append([m.double().cpu() - b.double().cpu() for m, b in zip(st["masters"], before)])
+    for i, (one, two) in enumerate(zip(*updates)):
+        if one.numel():
+            assert_rel_err(two, 2.0 * one, 1e-4, f"update of masters[{i}]")
+
+
+def test_split_step_found_inf_skips_both_halves(device, gen):
+    st = _split_state(device, gen, True)
+    everything = st["params"] + st["ms"] + st["vs"] + st["masters"] + [st["step"]]
+    before = snapshot(everything)
+    norms = torch.zeros(2, len(st["params"]), device=device)
+    _raw_lamb(st, device, local_norms=norms, found_inf=scalar(1.0, device))
+    _raw_lamb(st, device, trust_norms=norms.nan_to_num(), found_inf=scalar(1.0, device))
+    sync(device)
+    assert_unchanged(everything, before, "a skipped split step")
+
+
+SPLIT_BAD_CASES = {
+    # name: (extra kwargs given lists of n tensors on device, exception, argument)
+    "both_halves": (lambda n, d: dict(local_norms=torch.zeros(2, n, device=d), trust_norms=torch.zeros(2, n, device=d)),
+                    ValueError, "local_norms"),
+    "local_shape": (lambda n, d: dict(local_norms=torch.zeros(2, n + 1, device=d)), ValueError, "local_norms"),
+    "trust_shape": (lambda n, d: dict(trust_norms=torch.zeros(n, device=d)), ValueError, "trust_norms"),
+    "trust_dtype": (lambda n, d: dict(trust_norms=torch.zeros(2, n, device=d, dtype=torch.float64)), TypeError,
+                    "trust_norms"),
+    "local_strided": (lambda n, d: dict(local_norms=torch.zeros(n, 2, device=d).t()), RuntimeError, "local_norms"),
+    "no_trust_ratio": (lambda n, d: dict(trust_norms=torch.zeros(2, n, device=d), weight_decay=0.0), ValueError,
+                       "trust_norms"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_BAD_CASES))
+def test_split_step_bad_input_names_the_argument_and_changes_nothing(device, gen, case):
+    make, exc, arg = SPLIT_BAD_CASES[case]
+    st = _split_state(device, gen, True)
+    kw = make(len(st["params"]), device)
+    tensors = st["params"] + st["ms"] + st["vs"] + st["masters"] + [st["step"]] + list(kw.values())[:1]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    check_rejected(lambda: _raw_lamb(st, device, **kw), tensors, exc, OP, arg, None, device)
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 
 
@@ -287,7 +395,8 @@ def test_constructor_rejects_what_apex_rejects():
 def test_opcheck(device, gen):
     op = torch.ops.mixprec.lamb_.default
     sizes = (CHUNK + 3, 10)
-    for masters, given_norm, wd in ((False, False, 0.01), (True, True, 0.0)):
+    for masters, given_norm, wd, split in ((False, False, 0.01, None), (True, True, 0.0, None),
+                                           (True, False, 0.01, "local_norms"), (False, True, 0.01, "trust_norms")):
         params = [random_tensor(s, torch.float16, device, gen) for s in sizes]
         grads = [random_tensor(s, torch.float32, device, gen) for s in sizes]
         ms = [random_tensor(s, torch.float32, device, gen) for s in sizes]
@@ -297,4 +406,6 @@ def test_opcheck(device, gen):
                       grad_averaging=True, adam_w_mode=True, max_grad_norm=1.0, use_nvlamb=False, step=0,
                       grad_scale=scalar(2.0, device), found_inf=scalar(0.0, device),
                       global_grad_norm=scalar(7.0, device) if given_norm else None)
+        if split is not None:
+            kwargs[split] = random_tensor((2, len(sizes)), torch.float32, device, gen).abs()
         torch.library.opcheck(op, (params, grads, ms, vs, mp, scalar(1.0, device)), kwargs)

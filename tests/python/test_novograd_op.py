@@ -173,6 +173,56 @@ def test_op_grad_scale_unscales_exactly(device, gen, grad_dtype, norm_type):
     assert_bitwise_equal(b["exp_avg_sq_norms"], a["exp_avg_sq_norms"], "exp_avg_sq_norms with grad_scale")
 
 
+def _raw_novograd(st, **kw):
+    """torch.ops.mixprec.novograd_ itself: grad_norms is the op's argument, not the wrapper's."""
+    args = dict(HP, bias_correction=True, grad_averaging=True, reg_inside_moment=False, norm_type=2.0,
+                init_zero=False, step=3)
+    args.update(kw)
+    torch.ops.mixprec.novograd_(st["params"], st["grads"], st["exp_avgs"], st["exp_avg_sq_norms"],
+                                st["master_params"], None, **args)
+
+
+def _copy_state(st):
+    return {k: ([t.clone() for t in v] if isinstance(v, list) else v.clone()) for k, v in st.items()}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_op_given_grad_norms_replace_its_own(device, gen, norm_type):
+    # Sharded tensors hand in whole-gradient norms (reduced across ranks). Handed the norms the
+    # op would compute itself (multi_tensor_norm's, of the grads as stored: still scaled), the
+    # step is the same bit for bit; handed other norms, the second moments follow those.
+    sizes = [CHUNK + 17, 0, 333, 1]
+    own = make_state(sizes, torch.float16, torch.bfloat16, device, gen, master=True)
+    given, doubled = _copy_state(own), _copy_state(own)
+    scale = scalar(8.0, device)
+    _raw_novograd(own, norm_type=norm_type, grad_scale=scale)
+    norms = mixprec.multi_tensor_norm(given["grads"], norm_type, per_tensor=True)[1]
+    _raw_novograd(given, norm_type=norm_type, grad_scale=scale, grad_norms=norms)
+    for key in ("params", "exp_avgs", "master_params"):
+        for i, (a, b) in enumerate(zip(given[key], own[key])):
+            assert_bitwise_equal(a, b, f"{key}[{i}]")
+    assert_bitwise_equal(given["exp_avg_sq_norms"], own["exp_avg_sq_norms"], "exp_avg_sq_norms")
+    v_before = doubled["exp_avg_sq_norms"].double()
+    _raw_novograd(doubled, norm_type=norm_type, grad_scale=scale, grad_norms=2.0 * norms)
+    # The new term blended into v (L2: v'^2 = beta2 v^2 + (1 - beta2) ||g||^2; inf: v' = beta2 v +
+    # (1 - beta2) max|g|) grows by 4 and by 2 respectively.
+    beta2, p = HP["beta2"], (2 if norm_type == 2.0 else 1)
+
+    def new_term(v_after):
+        return v_after.double() ** p - beta2 * v_before ** p
+
+    assert_rel_err(new_term(doubled["exp_avg_sq_norms"]), 2.0**p * new_term(own["exp_avg_sq_norms"]), 1e-4,
+                   "the second moments' new term")
+
+
+def test_op_rejects_bad_grad_norms_and_modifies_nothing(device, gen):
+    st = make_state([100, 7, 3], torch.float16, torch.float16, device, gen, master=True)
+    for bad, exc in ((torch.ones(2, device=device), ValueError), (torch.ones(3, 1, device=device), ValueError),
+                     (torch.ones(3, device=device, dtype=torch.float64), TypeError),
+                     (torch.ones(6, device=device)[::2], RuntimeError)):
+        check_rejected(lambda: _raw_novograd(st, grad_norms=bad), all_state(st), exc, OP, "grad_norms", None, device)
+
+
 def test_op_device_lr_and_step_equal_host_scalars(device, gen):
     # From step 0 on the device: the first step seeds v, as host step=1 does; lr from a tensor.
     sizes = [CHUNK - 1, 40]
@@ -278,8 +328,10 @@ def test_opcheck(device, gen):
     op = torch.ops.mixprec.novograd_.default
     for master, scalars in ((True, True), (False, False)):
         st = make_state([1000, 10, 1], torch.float16, torch.float16, device, gen, master=master)
+        grad_norms = random_tensor(3, torch.float32, device, gen).abs() if master else None
         kw = dict(lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, bias_correction=True,
-                  grad_averaging=True, reg_inside_moment=master, norm_type=2.0, init_zero=False, step=3)
+                  grad_averaging=True, reg_inside_moment=master, norm_type=2.0, init_zero=False, step=3,
+                  grad_norms=grad_norms)
         step_tensor = scalar(2.0, device) if scalars else None
         if scalars:
             kw.update(lr_tensor=scalar(0.01, device), grad_scale=scalar(8.0, device), found_inf=scalar(0.0, device))

@@ -122,17 +122,22 @@ struct LambArgs {
 };
 
 // global_grad_norm: the unscaled gradient norm over every group (computed from grads when absent).
+// local_norms / trust_norms (float32 [2, n]): the two halves of a step split for sharded tensors,
+// whose per-tensor norms the caller reduces across ranks in between (see the op's schema).
 inline void lamb_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                   at::TensorList master_params, const LambArgs& a, const StepArgs& s,
-                  const std::optional<at::Tensor>& global_grad_norm = std::nullopt) {
+                  const std::optional<at::Tensor>& global_grad_norm = std::nullopt,
+                  const std::optional<at::Tensor>& local_norms = std::nullopt,
+                  const std::optional<at::Tensor>& trust_norms = std::nullopt) {
   using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                    const std::optional<at::Tensor>&, double, double, double, double, double, bool, bool, bool, double,
                    bool, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::lamb_", "").typed<Sig>();
   op.call(params, grads, exp_avgs, exp_avg_sqs, master_params, s.step_tensor, s.lr, a.beta1, a.beta2, a.eps,
           a.weight_decay, a.bias_correction, a.grad_averaging, a.adam_w_mode, a.max_grad_norm, a.use_nvlamb, s.step,
-          s.lr_tensor, s.grad_scale, s.found_inf, global_grad_norm);
+          s.lr_tensor, s.grad_scale, s.found_inf, global_grad_norm, local_norms, trust_norms);
 }
 
 struct AdagradArgs {
@@ -155,18 +160,19 @@ struct NovoGradArgs {
   bool bias_correction = true, grad_averaging = true, reg_inside_moment = false, init_zero = false;
 };
 
-// exp_avg_sq_norms: float32 [len(params)], the per-tensor second moments.
+// exp_avg_sq_norms: float32 [len(params)], the per-tensor second moments. grad_norms (float32
+// [len(params)], norms of the grads as stored) replaces the op's own norm pass, for sharded tensors.
 inline void novograd_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                       const at::Tensor& exp_avg_sq_norms, at::TensorList master_params, const NovoGradArgs& a,
-                      const StepArgs& s) {
+                      const StepArgs& s, const std::optional<at::Tensor>& grad_norms = std::nullopt) {
   using Sig = void(at::TensorList, at::TensorList, at::TensorList, const at::Tensor&, at::TensorList,
                    const std::optional<at::Tensor>&, double, double, double, double, double, bool, bool, bool, double,
                    bool, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&);
+                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::novograd_", "").typed<Sig>();
   op.call(params, grads, exp_avgs, exp_avg_sq_norms, master_params, s.step_tensor, s.lr, a.beta1, a.beta2, a.eps,
           a.weight_decay, a.bias_correction, a.grad_averaging, a.reg_inside_moment, a.norm_type, a.init_zero, s.step,
-          s.lr_tensor, s.grad_scale, s.found_inf);
+          s.lr_tensor, s.grad_scale, s.found_inf, grad_norms);
 }
 
 }  // namespace mixprec

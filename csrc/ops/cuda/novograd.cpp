@@ -15,10 +15,10 @@ void novograd_cuda(at::TensorList params, at::TensorList grads, at::TensorList e
                    double beta2, double eps, double weight_decay, bool bias_correction, bool grad_averaging,
                    bool reg_inside_moment, double norm_type, bool init_zero, int64_t step,
                    const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf) {
+                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& grad_norms) {
   novograd_impl(params, grads, exp_avgs, exp_avg_sq_norms, master_params, step_tensor, lr, beta1, beta2, eps,
                 weight_decay, bias_correction, grad_averaging, reg_inside_moment, norm_type, init_zero, step, lr_tensor,
-                grad_scale, found_inf,
+                grad_scale, found_inf, grad_norms,
                 {[](const kernels::NormParams& p) { kernels::norm_partials_cuda(p, current_stream()); },
                  [](const kernels::NormFinalizeParams& p) { kernels::norm_finalize_cuda(p, current_stream()); },
                  [](float* s, const float* f) { kernels::increment_step_cuda(s, f, current_stream()); },

@@ -10,8 +10,9 @@ namespace {
 void novograd_meta(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, const at::Tensor& exp_avg_sq_norms,
                    at::TensorList master_params, const std::optional<at::Tensor>&, double, double, double, double, double,
                    bool, bool, bool, double, bool, int64_t, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&) {
-  novograd_check_shapes(params, grads, exp_avgs, exp_avg_sq_norms, master_params);
+                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                   const std::optional<at::Tensor>& grad_norms) {
+  novograd_check_shapes(params, grads, exp_avgs, exp_avg_sq_norms, master_params, grad_norms);
 }
 
 }  // namespace

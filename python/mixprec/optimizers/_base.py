@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .._dtensor import dtensor_type, refuse_sharded
+from .._dtensor import dtensor_type
 
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
 
@@ -36,8 +36,8 @@ class FusedOptimizer(torch.optim.Optimizer):
       ``torch.load(weights_only=True)``; ``load_state_dict`` validates before changing anything and
       keeps state dtypes (torch's loader would cast fp32 state to the parameter's fp16);
     - DTensor parameters (FSDP2's ``fully_shard``) get DTensor state and masters sharded like
-      them, and the op steps each rank's local shards; a step that needs norms of whole tensors
-      (``_sharded_unsupported``: LAMB, NovoGrad) raises NotImplementedError on sharded ones.
+      them, and the op steps each rank's local shards; steps that need norms of whole tensors
+      (LAMB, NovoGrad) have the ops reduce the shards' norms across ranks.
 
     Subclasses set ``_state_keys`` (per-parameter state tensors shaped like the parameter, besides
     ``master_param``), implement ``_init_state(p, group)`` and ``_step_group(...)``.
@@ -49,9 +49,6 @@ class FusedOptimizer(torch.optim.Optimizer):
     # Group options that checkpoints of the classes a subclass can load (torch.optim's, Apex's)
     # do not have; the subclass fills them in after loading. Any other missing option is an error.
     _keys_foreign_checkpoints_lack: tuple[str, ...] = ()
-    # Why the step cannot run on FSDP2's shards (a norm of a whole tensor), or None: element-wise
-    # steps run on each rank's local shard of DTensor parameters, state and masters.
-    _sharded_unsupported: Optional[str] = None
 
     def __init__(self, params: Iterable[Any], defaults: dict, *, master_weights: bool = False,
                  set_grad_none: bool = True, capturable: bool = False):
@@ -95,7 +92,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         for index, group in enumerate(self.param_groups):  # all groups before any steps
             self._check_group(group, f"param group {index}")
-        self._check_sharding()
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -120,11 +116,6 @@ class FusedOptimizer(torch.optim.Optimizer):
                              grad_scale=_device_scalar(grad_scale, device),
                              found_inf=_device_scalar(found_inf, device))
         return loss
-
-    def _check_sharding(self) -> None:
-        if self._sharded_unsupported is not None and dtensor_type() is not None:
-            params = [p for group in self.param_groups for p in group["params"]]
-            refuse_sharded(type(self).__name__, params, self._sharded_unsupported)
 
     # -- helpers for subclasses --------------------------------------------------------------
     def _init_param_state(self, p: torch.Tensor, group: dict) -> None:

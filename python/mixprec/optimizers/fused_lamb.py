@@ -32,11 +32,11 @@ class FusedLAMB(FusedOptimizer):
     keeps fp32 masters of fp16/bf16 params; moments are always fp32; ``max_grad_norm``,
     ``adam_w_mode`` and ``use_nvlamb`` are per-group settings (Apex reads them from the
     constructor only); ``max_grad_norm=0`` turns clipping off where Apex would zero the update.
-    No step synchronizes with the host.
+    No step synchronizes with the host. Under FSDP2 (sharded DTensor parameters) every norm is
+    that of the whole tensor: the shards' norms are reduced across ranks between the passes.
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
-    _sharded_unsupported = "Its trust ratio and global gradient norm need norms of whole tensors."
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
                  amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
@@ -67,7 +67,6 @@ class FusedLAMB(FusedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_sharding()
         self._grad_norms = self._global_grad_norms()
         try:
             super().step()

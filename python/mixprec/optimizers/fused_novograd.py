@@ -39,11 +39,11 @@ class FusedNovoGrad(FusedOptimizer):
     and a GradScaler's found_inf skips the whole step there. Apex checkpoints load (their
     per-dtype moment vectors are merged). A parameter whose first gradient arrives after the
     group's first step starts its second moment at 0 (Apex cannot take such a parameter at all).
-    ``amsgrad=True`` raises, as in Apex.
+    Under FSDP2 the gradient norms are those of whole tensors, reduced across ranks, so the
+    second moments are the same on every rank. ``amsgrad=True`` raises, as in Apex.
     """
 
     _state_keys = ("exp_avg",)
-    _sharded_unsupported = "Its second moments are norms of whole gradient tensors."
 
     # Apex keeps reg_inside_moment on the optimizer, not in its groups.
     _keys_foreign_checkpoints_lack = ("reg_inside_moment",)
