@@ -5,6 +5,7 @@ interleaved round-robin, each on its own copy of the same model and batch.
 
     python benchmarks/amp_overhead.py                      # CUDA if available (fp16 and bf16), else CPU (bf16)
     python benchmarks/amp_overhead.py --device cpu --quick
+    python benchmarks/amp_overhead.py --profile            # also count each step's ops and Python calls
 
 One step is everything a training loop does: zero_grad, forward, loss, backward, unscale/check,
 optimizer step and scale update. Each sample times --steps such steps back to back: "host" is the
@@ -20,9 +21,12 @@ step - fp32 step.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import collections
 import dataclasses
 import itertools
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -205,6 +209,35 @@ def time_variants(variants: list[Variant], device: torch.device, runs: int, warm
     return samples, {k: (a, float(b)) for k, (a, b) in losses.items()}
 
 
+def count_step(v: Variant, steps: int = 20) -> dict:
+    """What one step of ``v`` asks of the host, counted rather than timed (so it can be compared
+    on a busy machine, and explains a difference the timings show): the top-level ATen and
+    mixprec calls of one step (on CUDA most are a kernel launch each), and the Python function
+    calls per step."""
+    v.activate()
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            v.step()
+        ops = [e.name for e in prof.events() if e.cpu_parent is None]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            v.step()
+        profiler.disable()
+        calls = pstats.Stats(profiler).total_calls / steps
+    finally:
+        v.deactivate()
+    return {"ops": ops, "py_calls": calls}
+
+
+def op_difference(ops: list[str], peer_ops: list[str]) -> str:
+    """The calls one step makes beyond the peer's (+) and the peer's it does not make (-)."""
+    mine, theirs = collections.Counter(ops), collections.Counter(peer_ops)
+    more = [f"+{n} {name}" for name, n in sorted((mine - theirs).items())]
+    fewer = [f"-{n} {name}" for name, n in sorted((theirs - mine).items())]
+    return ", ".join(more + fewer) or "same calls"
+
+
 def run_dtype(args, device: torch.device, dtype_name: str, runs: int, warmup: int) -> list[dict]:
     dtype = DTYPES[dtype_name]
     # Several batches in turn, so that the loss (and the gradients) do not collapse towards
@@ -214,6 +247,7 @@ def run_dtype(args, device: torch.device, dtype_name: str, runs: int, warmup: in
              torch.randint(0, args.classes, (args.batch,), generator=gen).to(device)) for _ in range(args.batches)]
     variants = build_variants(args, device, dtype, data, args.only)
     samples, losses = time_variants(variants, device, runs, warmup, args.steps)
+    counts = {v.name: count_step(v) for v in variants} if args.profile else {}
 
     # The judged time: wall on CUDA (host and GPU together); CPU time on the CPU, where the two
     # agree on an idle machine with one thread and only the CPU time survives a busy one.
@@ -237,6 +271,10 @@ def run_dtype(args, device: torch.device, dtype_name: str, runs: int, warmup: in
             row["overhead_vs_peer"] = (m[judged] - med[base][judged]) / peer_over if peer_over > 0 else None
         if v.skipped is not None:
             row["skipped"] = v.skipped()
+        if counts:
+            row["ops_per_step"] = len(counts[v.name]["ops"])
+            row["py_calls_per_step"] = counts[v.name]["py_calls"]
+            row["ops_vs_peer"] = op_difference(counts[v.name]["ops"], counts[peer]["ops"])
         rows.append(row)
     return rows
 
@@ -276,6 +314,9 @@ def main(argv=None) -> int:
                         help="torch AdamW implementation for the torch-optimizer variants (default fused)")
     parser.add_argument("--only", nargs="*", default=[],
                         help="time only variants whose name contains one of these (plus the baseline and peer)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also count each variant's top-level ATen/mixprec calls and Python calls per step, "
+                             "and list the calls it makes beyond torch.amp's")
     parser.add_argument("--out", default=None, help="also write the results as JSON to this path")
     parser.set_defaults(_default_runs=15)
     args = parser.parse_args(argv)
@@ -324,6 +365,12 @@ def main(argv=None) -> int:
           "# returned; cpu us: process CPU time. overhead: us/step minus the fp32 step's; overhead / peer's: that\n"
           "# over torch.amp's. vs torch.amp: torch.amp's us/step over the variant's (> 1: faster); (min): from\n"
           "# the fastest samples.")
+    if args.profile:
+        print("# calls per step (counted, --profile): top-level ATen/mixprec calls, Python calls, and the calls\n"
+              "# beyond torch.amp's (+) or missing from them (-)")
+        for r in rows:
+            print(f"{r['dtype']:5} {r['variant']:50} ops {r['ops_per_step']:4d}  python {r['py_calls_per_step']:6.0f}  "
+                  f"{r['ops_vs_peer'] if r['kind'] == 'mixprec' else ''}")
     env["load_avg_1m_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     bars = verdicts(rows)
     for b in bars:

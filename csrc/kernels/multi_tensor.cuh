@@ -17,6 +17,8 @@
 
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -337,6 +339,17 @@ void for_each_table(const TensorGroup& g, BlocksOf&& blocks_of, Launch&& launch)
   flush();
 }
 
+// Whether persistent ops get a resident-sized grid (the default) or one block per chunk, which
+// turns their chunk loop into one iteration. MIXPREC_PERSISTENT_GRID=chunks picks the latter, so
+// that a benchmark can compare the two launch shapes of the same build (benchmarks/RESULTS.md).
+inline bool persistent_grid() {
+  static const bool on = [] {
+    const char* env = std::getenv("MIXPREC_PERSISTENT_GRID");
+    return env == nullptr || std::strcmp(env, "chunks") != 0;
+  }();
+  return on;
+}
+
 // Launches `op` over every chunk of `g` (whose num_lists must equal NLists), one block a chunk.
 template <int NLists, typename Op>
 void launch_multi_tensor(const TensorGroup& g, const Op& op, Stream stream) {
@@ -345,7 +358,7 @@ void launch_multi_tensor(const TensorGroup& g, const Op& op, Stream stream) {
   for_each_table<NLists>(
       g, [&](int64_t i) { return num_chunks(g.numel[i]); },
       [&](const Table& table, unsigned blocks) {
-        const unsigned grid = IsPersistent<Op>::value
+        const unsigned grid = IsPersistent<Op>::value && persistent_grid()
                                   ? std::min<unsigned>(blocks, resident_blocks(multi_tensor_kernel<NLists, Op>))
                                   : blocks;
         multi_tensor_kernel<NLists, Op><<<grid, kBlockThreads, 0, stream>>>(table, op);
