@@ -17,7 +17,20 @@ from . import _library
 from ._dtensor import local_lists, reduce_shard_norms, shard_layout
 
 _library.load()
-_ops = torch.ops.mixprec
+
+
+class _Overloads:
+    """``torch.ops.mixprec``'s ops as their one overload each (``.default``), looked up once.
+    Calling an OpOverload skips the OpOverloadPacket's per-call overload resolution: a few us
+    a call on the host, paid by every op of every training step."""
+
+    def __getattr__(self, name: str):
+        op = getattr(torch.ops.mixprec, name).default
+        setattr(self, name, op)
+        return op
+
+
+_ops = _Overloads()
 
 
 def non_finite_check_and_unscale_(
