@@ -202,17 +202,16 @@ def test_op_given_grad_norms_replace_its_own(device, gen, norm_type):
         for i, (a, b) in enumerate(zip(given[key], own[key])):
             assert_bitwise_equal(a, b, f"{key}[{i}]")
     assert_bitwise_equal(given["exp_avg_sq_norms"], own["exp_avg_sq_norms"], "exp_avg_sq_norms")
-    v_before = doubled["exp_avg_sq_norms"].double()
+    v_before = doubled["exp_avg_sq_norms"].double().cpu()
     _raw_novograd(doubled, norm_type=norm_type, grad_scale=scale, grad_norms=2.0 * norms)
-    # The new term blended into v (L2: v'^2 = beta2 v^2 + (1 - beta2) ||g||^2; inf: v' = beta2 v +
-    # (1 - beta2) max|g|) grows by 4 and by 2 respectively.
-    beta2, p = HP["beta2"], (2 if norm_type == 2.0 else 1)
-
-    def new_term(v_after):
-        return v_after.double() ** p - beta2 * v_before ** p
-
-    assert_rel_err(new_term(doubled["exp_avg_sq_norms"]), 2.0**p * new_term(own["exp_avg_sq_norms"]), 1e-4,
-                   "the second moments' new term")
+    # The second moments follow the norms handed in: v' = beta2 v + (1 - beta2) n (inf) or
+    # v'^2 = beta2 v^2 + (1 - beta2) n^2 (L2), n = 2 * norms / scale, here in float64. (Not as the
+    # difference from the op's own run: v' - beta2 v cancels when v dominates, seen 1.4e-4.)
+    beta2 = HP["beta2"]
+    n = 2.0 * norms.double().cpu() / 8.0
+    want = beta2 * v_before + (1 - beta2) * n if norm_type != 2.0 else \
+        (beta2 * v_before**2 + (1 - beta2) * n**2).sqrt()
+    assert_rel_err(doubled["exp_avg_sq_norms"], want, 1e-5, "second moments from the given norms")
 
 
 def test_op_rejects_bad_grad_norms_and_modifies_nothing(device, gen):
