@@ -132,6 +132,32 @@ inline double rel_err(const at::Tensor& out, const at::Tensor& ref) {
   return den > 0 ? num / den : num;
 }
 
+// All of `ts` as one float64 CPU vector.
+inline at::Tensor flat64(const std::vector<at::Tensor>& ts) {
+  std::vector<at::Tensor> parts;
+  for (const auto& t : ts) parts.push_back(t.detach().to(torch::kCPU, torch::kDouble).reshape(-1));
+  return parts.empty() ? torch::empty({0}, torch::kDouble) : torch::cat(parts);
+}
+
+// ‖(a − start) − (b − start)‖ / ‖b − start‖: the error of the displacement, which a small wrong
+// term in the update cannot hide behind the size of the weights.
+inline double displacement_err(const at::Tensor& a, const at::Tensor& b, const at::Tensor& start) {
+  const at::Tensor s = start.detach().to(at::kCPU, at::kDouble);
+  return rel_err(a.detach().to(at::kCPU, at::kDouble) - s, b.detach().to(at::kCPU, at::kDouble) - s);
+}
+
+// The same over a list of tensors taken as one vector. Against a float64 reference, judge lists:
+// a 1-element tensor's displacement over a few steps (a sum of updates of random sign) can nearly
+// cancel, and its relative error then measures the cancellation, not the kernel (1.08e-5 seen).
+inline double displacement_err(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b,
+                               const std::vector<at::Tensor>& start) {
+  return displacement_err(flat64(a), flat64(b), flat64(start));
+}
+
+inline double rel_err(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& ref) {
+  return rel_err(flat64(out), flat64(ref));
+}
+
 // The bound DESIGN.md sets for a result stored in `dtype`: 1e-5 relative in fp32; in fp16/bf16,
 // twice the error plain PyTorch makes (`peer`, computed the ordinary way in that precision).
 inline double error_bound(at::ScalarType dtype, const at::Tensor& peer, const at::Tensor& ref64) {
