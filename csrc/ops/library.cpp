@@ -46,6 +46,19 @@ TORCH_LIBRARY(mixprec, m) {
   // float32 tensor, and each tensor's norm as float32 [len(tensors)] (empty unless per_tensor).
   m.def("multi_tensor_norm(Tensor[] tensors, float ord=2., bool per_tensor=False) -> (Tensor, Tensor)");
 
+  // ---- cross-entropy loss (kernels/cross_entropy.*) -------------------------------------------
+  // logits [N, V] contiguous fp32/fp16/bf16, target [N] int64. Returns (losses, lse), float32
+  // [N]: lse the log-sum-exp of each row, losses = lse - logits[i, target[i]] (0 where target ==
+  // ignore_index). Math in fp32, one read of the logits. Targets outside [0, V) other than
+  // ignore_index: an error on the CPU; on CUDA (no host sync) the row's loss is NaN and its
+  // gradient row all NaN.
+  m.def("cross_entropy_forward(Tensor logits, Tensor target, int ignore_index=-100) -> (Tensor, Tensor)");
+  // grad_logits (logits' dtype and shape) = grad_losses[i] * (softmax(logits[i]) - onehot(target[i])),
+  // from the forward's lse, computed in fp32 and rounded once; ignored rows are all zero.
+  m.def(
+      "cross_entropy_backward(Tensor grad_losses, Tensor logits, Tensor target, Tensor lse, "
+      "int ignore_index=-100) -> Tensor");
+
   // ---- fused optimizers (kernels/<family>.*) -------------------------------------------------
   // Shared by every family: params (any float dtype) are updated in place; with master_params
   // (fp32, one per param) the master is the weight and params receive its rounding, in the same

@@ -67,6 +67,27 @@ inline std::tuple<at::Tensor, at::Tensor> multi_tensor_norm(at::TensorList tenso
   return op.call(tensors, ord, per_tensor);
 }
 
+// ---- cross-entropy loss ------------------------------------------------------------------------
+// (losses, lse), float32 [N], from logits [N, V] (fp32/fp16/bf16, contiguous) and int64 target [N],
+// in fp32 without an fp32 copy of the logits; losses are 0 where target == ignore_index.
+inline std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at::Tensor& target,
+                                                                int64_t ignore_index = -100) {
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::cross_entropy_forward", "").typed<Sig>();
+  return op.call(logits, target, ignore_index);
+}
+
+// The logits' gradient in their dtype: grad_losses[i] * (softmax(logits[i]) - onehot(target[i])).
+inline at::Tensor cross_entropy_backward(const at::Tensor& grad_losses, const at::Tensor& logits,
+                                         const at::Tensor& target, const at::Tensor& lse,
+                                         int64_t ignore_index = -100) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::cross_entropy_backward", "").typed<Sig>();
+  return op.call(grad_losses, logits, target, lse, ignore_index);
+}
+
 // ---- fused optimizer steps --------------------------------------------------------------------
 // Scalars shared by every optimizer op (see csrc/ops/library.cpp): lr and step from the host, or
 // one-element float32 device tensors (then a step is CUDA-graph capturable); grads divided by
