@@ -16,6 +16,7 @@ from ._ops import (
     update_scale_,
 )
 
+from ._cross_entropy import cross_entropy  # noqa: E402  (registers its autograd on the loaded op)
 from . import optimizers  # noqa: E402  (needs the ops loaded above)
 from .grad_scaler import GradScaler  # noqa: E402
 from . import amp  # noqa: E402
@@ -41,6 +42,7 @@ __all__ = [
     "novograd_",
     "sgd_",
     "cmake_prefix_path",
+    "cross_entropy",
     "multi_tensor_norm",
     "optimizers",
     "non_finite_check_and_unscale_",
