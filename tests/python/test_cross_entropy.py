@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -152,6 +155,17 @@ def test_empty_batch_and_single_class(device, gen):
 def test_many_rows_spread_over_threads(device, gen):
     logits, target = make_inputs(3000, 33, torch.bfloat16, device, gen, ignore_frac=0.1)
     check_against_float64(logits, target, gen=gen, what="[3000, 33]")
+
+
+@pytest.mark.skipif(os.environ.get("MIXPREC_CPU_SIMD") == "0", reason="this run is on the portable path already")
+def test_portable_cpu_tile_conversions():
+    # fp16/bf16 tiles go through AVX2/F16C when the CPU has them; MIXPREC_CPU_SIMD=0 forces the
+    # portable conversions (aarch64, older x86-64), chosen once per process: rerun in a fresh one.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+           "-k", "cpu and (matches_float64 or gpt2 or nan_logit or infinite_logits)"]
+    r = subprocess.run(cmd, env=dict(os.environ, MIXPREC_CPU_SIMD="0"), cwd=os.path.dirname(__file__),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and " passed" in r.stdout, f"portable path failed:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
 
 
 # ---- inf and NaN ------------------------------------------------------------------------------
