@@ -110,6 +110,17 @@ MIXPREC_INLINE float tile_sum_exp(const float* x, int64_t n, float base) {
   return s;
 }
 
+MIXPREC_INLINE float tile_sum(const float* x, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l];
+  for (int64_t l = 0; i + l < n; ++l) acc[l] += x[i + l];
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  return s;
+}
+
 // One row's log-sum-exp, reading the row once: a running max m and a sum s of exp(x - m) that is
 // rescaled whenever a tile raises the max. A NaN anywhere makes s (so lse) NaN; a +inf makes
 // inf - inf = NaN, as log_softmax does; -inf logits contribute exactly 0.
@@ -138,20 +149,30 @@ float load_value(DType d, const void* p, int64_t i) {
   return cpu::with_dtype(d, [&](auto tag) { return cpu::load_one<decltype(tag)::value>(p, i); });
 }
 
-MIXPREC_CPU_CLONES void row_grad(DType d, const void* logits, void* grad, int64_t row_begin, int64_t vocab, float lse,
-                                 float g, int64_t target) {
+// The target's own gradient is -g * (sum of the other classes' probabilities), not
+// g * (exp(x_t - lse) - 1): when the target dominates, the latter cancels to rounding noise of
+// lse (fp32 lse of 50 is off by up to 2e-6, and 1 - p_t may be 1e-8), while the sum keeps every
+// term's relative precision. The two are equal in exact arithmetic, and the row sums to zero.
+MIXPREC_CPU_CLONES float row_grad(DType d, const void* logits, void* grad, int64_t row_begin, int64_t vocab,
+                                  float lse, float g, int64_t target) {
   alignas(64) float x[cpu::kTile];
+  float others = 0.f;
   for (int64_t at = 0; at < vocab; at += cpu::kTile) {
     const int64_t len = std::min(cpu::kTile, vocab - at);
     load_tile(d, logits, row_begin + at, len, x);
-    const bool has_target = target >= at && target < at + len;
-    const float xt = has_target ? x[target - at] : 0.f;
     // x - lse <= 0 for every finite logit, since lse >= the row's max.
-    for (int64_t i = 0; i < len; ++i) x[i] = g * exp_nonpositive(x[i] - lse);
-    // The one-hot term in fp32 too, so the target's gradient is rounded once like the rest.
-    if (has_target) x[target - at] = g * (exp_nonpositive(xt - lse) - 1.f);
+    for (int64_t i = 0; i < len; ++i) x[i] = exp_nonpositive(x[i] - lse);
+    if (target >= at && target < at + len) x[target - at] = 0.f;  // written for real after the row
+    others += tile_sum(x, len);
+    for (int64_t i = 0; i < len; ++i) x[i] *= g;
     store_tile(d, x, grad, row_begin + at, len);
   }
+  return -g * others;
+}
+
+// One fp32 value rounded into element i of a tensor of run-time dtype d.
+void store_value(DType d, void* p, int64_t i, float v) {
+  cpu::with_dtype(d, [&](auto tag) { cpu::store_one<decltype(tag)::value>(p, i, v); });
 }
 
 // A row that gets no gradient (ignore_index), or only NaN (a target out of range), in the
@@ -183,7 +204,8 @@ void cross_entropy_backward_cpu(const CrossEntropyBackwardParams& p, int64_t row
     const int64_t t = p.target[r];
     if (t == p.ignore_index) row_fill(p.dtype, p.grad_logits, r * p.vocab, p.vocab, 0.f);
     else if (!target_in_range(t, p.vocab)) row_fill(p.dtype, p.grad_logits, r * p.vocab, p.vocab, kNaN);
-    else row_grad(p.dtype, p.logits, p.grad_logits, r * p.vocab, p.vocab, p.lse[r], p.grad_losses[r], t);
+    else store_value(p.dtype, p.grad_logits, r * p.vocab + t,
+                     row_grad(p.dtype, p.logits, p.grad_logits, r * p.vocab, p.vocab, p.lse[r], p.grad_losses[r], t));
   }
 }
 

@@ -85,6 +85,11 @@ __global__ void __launch_bounds__(kBlockThreads) cross_entropy_backward_kernel(c
   const float fill = bad_target ? NAN : 0.f;
   const float g = p.grad_losses[row];
   const float lse = p.lse[row];
+  // The target's gradient is -g * (sum of the other probabilities), written after the row: see
+  // kernels/cpu/cross_entropy.cpp (g * (exp(x_t - lse) - 1) cancels to lse's rounding noise when
+  // the target dominates). `others` sums this thread's share; past the row load() gives 0s, but
+  // exp(0 - lse) would not be 0, so those lanes are masked.
+  float others = 0.f;
   // Unrolled so that several 16-byte loads per thread are in flight before their exps.
 #pragma unroll 4
   for (int64_t i = static_cast<int64_t>(threadIdx.x) * N; i < n; i += static_cast<int64_t>(blockDim.x) * N) {
@@ -94,13 +99,20 @@ __global__ void __launch_bounds__(kBlockThreads) cross_entropy_backward_kernel(c
       for (int j = 0; j < N; ++j) v[j] = fill;
     } else {
       load<T, N>(x, i, n, vec_ok, v);
-      // x - lse <= 0 for finite logits (lse >= the row's max); the one-hot term is subtracted in
-      // fp32, so every element, the target's included, is rounded once into T.
+      // x - lse <= 0 for finite logits (lse >= the row's max).
 #pragma unroll
-      for (int j = 0; j < N; ++j) v[j] = g * (expf(v[j] - lse) - (i + j == t ? 1.f : 0.f));
+      for (int j = 0; j < N; ++j) {
+        const float prob = (i + j == t || i + j >= n) ? 0.f : expf(v[j] - lse);
+        others += prob;
+        v[j] = g * prob;
+      }
     }
     store<T, N>(gx, i, n, vec_ok, v);
   }
+  // Every thread joins the reduction (ignored rows too: the branch must be block-uniform); its
+  // barriers also order the vector stores above before thread 0's store of the target's element.
+  const float sum_others = block_reduce_sum(others);
+  if (threadIdx.x == 0 && !ignored && !bad_target) gx[t] = from_float<T>(-g * sum_others);
 }
 
 }  // namespace
