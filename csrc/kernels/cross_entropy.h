@@ -41,7 +41,9 @@ struct CrossEntropyBackwardParams {
   int64_t rows = 0;
   int64_t vocab = 0;
   int64_t ignore_index = -100;
-  void* grad_logits = nullptr;  // [rows, vocab]: g * (exp(logit - lse) - onehot), rounded once
+  // [rows, vocab]: g * (exp(logit - lse) - onehot), rounded once; the target's element is taken
+  // as -g * (sum of the other probabilities), the same value without 1 - p_t's cancellation.
+  void* grad_logits = nullptr;
 };
 
 void cross_entropy_backward_cpu(const CrossEntropyBackwardParams& p, int64_t row_begin, int64_t row_end);
