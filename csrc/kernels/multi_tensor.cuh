@@ -237,7 +237,9 @@ __device__ __forceinline__ float block_reduce_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = v;
   __syncthreads();
-  v = (threadIdx.x < blockDim.x / 32) ? warp_part[threadIdx.x] : 0.f;
+  // Lanes past the block's warps hold -inf, the identity of max: a 0 there would raise the max of
+  // an all-negative block (cross_entropy's row max) to 0.
+  v = (threadIdx.x < blockDim.x / 32) ? warp_part[threadIdx.x] : -INFINITY;
   if (threadIdx.x < 32) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
