@@ -154,8 +154,9 @@ def _autocast(dtype: Optional[str], opt, scaler=None):
     return make
 
 
-def _amp(level: str, dtype: str):
+def _amp(level: str, dtype: str, fused_loss: bool = False):
     def make(model, device, h):
+        model.fused_loss = fused_loss
         return AmpTrainer(model, device, _fused_adam(model, h), level, DTYPES[dtype])
     return make
 
@@ -169,6 +170,10 @@ VARIANTS = {v.name: v for v in (
             _amp("O2", "fp16")),
     Variant("mixprec-o2-bf16", "bf16", "torch-bf16", "mixprec amp O2 bf16, FusedAdam(adam_w_mode) with fp32 masters",
             _amp("O2", "bf16")),
+    Variant("mixprec-o2-fp16-xent", "fp16", "torch-fp16", "mixprec-o2-fp16 with the loss by mixprec.cross_entropy "
+            "(fp32 softmax math, no fp32 copy of the logits)", _amp("O2", "fp16", fused_loss=True)),
+    Variant("mixprec-o2-bf16-xent", "bf16", "torch-bf16", "mixprec-o2-bf16 with the loss by mixprec.cross_entropy",
+            _amp("O2", "bf16", fused_loss=True)),
     Variant("mixprec-o1-fp16", "fp16", "torch-fp16", "mixprec amp O1 fp16 (autocast), FusedAdam", _amp("O1", "fp16")),
     Variant("mixprec-o1-bf16", "bf16", "torch-bf16", "mixprec amp O1 bf16 (autocast), FusedAdam", _amp("O1", "bf16")),
     Variant("mixprec-scaler-fp16", "fp16", "torch-fp16", "torch.autocast fp16 + mixprec GradScaler + FusedAdam",

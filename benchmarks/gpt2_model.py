@@ -91,16 +91,23 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as GPT-2: one parameter (one master under O2)
+        #: mixprec.cross_entropy instead of F.cross_entropy(logits.float()): the same fp32 softmax
+        #: math read straight from fp16/bf16 logits, without their fp32 copy (set by the variant).
+        self.fused_loss = False
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
+        logits = self.lm_head(self.ln_f(x)).view(-1, self.cfg.vocab)
+        if self.fused_loss:
+            import mixprec
+
+            return mixprec.cross_entropy(logits, targets.view(-1))
         # The softmax in fp32 for every variant: what autocast does for cross_entropy, made explicit
         # so O2 (a half model, no autocast) computes the same loss the same way.
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float(), targets.view(-1))
 
 
 @torch.no_grad()

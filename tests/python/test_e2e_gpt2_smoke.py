@@ -48,7 +48,7 @@ def check_rows(data: dict, variants: list[str], steps: int) -> dict:
 
 
 def test_cpu_tiny_bf16_variants(tmp_path):
-    variants = ["torch-bf16", "mixprec-o2-bf16", "mixprec-adam-bf16"]
+    variants = ["torch-bf16", "mixprec-o2-bf16", "mixprec-o2-bf16-xent", "mixprec-adam-bf16"]
     data = run_script(tmp_path, "--device", "cpu", "--steps", "2", "--warmup", "1", "--variants", ",".join(variants))
     rows = check_rows(data, variants, steps=3)
     assert rows["mixprec-o2-bf16"]["peer"] == "torch-bf16"
