@@ -4,7 +4,7 @@
 # $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
 #   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e]   (default: all)
 #   env: TEST_PATHS, PYTEST_ARGS (tests); BENCH_SCRIPTS (bench: which of loss_scale optimizer cpp
-#   overhead grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); STEP_TIMEOUT
+#   overhead xent grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); STEP_TIMEOUT
 #   (s, per step). "grid" reruns loss_scale_ops.py with one block per chunk for persistent ops
 #   (MIXPREC_PERSISTENT_GRID=chunks), to compare with the default resident-sized grid.
 set -uo pipefail
@@ -51,12 +51,13 @@ if [[ $steps == *tests* ]]; then
 fi
 if [[ $steps == *bench* ]]; then
   # One log for every benchmark: the device tool returns at most 8 files.
-  scripts=${BENCH_SCRIPTS:-loss_scale optimizer cpp overhead}
+  scripts=${BENCH_SCRIPTS:-loss_scale optimizer cpp overhead xent}
   run bench bash -c "
     [[ '$scripts' == *loss_scale* ]] && $PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops.json
     [[ '$scripts' == *grid* ]] && MIXPREC_PERSISTENT_GRID=chunks $PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops_chunks.json
     [[ '$scripts' == *optimizer* ]] && $PY benchmarks/optimizer_step.py --out $OUT/optimizer_step.json ${BENCH_OPT_ARGS:-}
     [[ '$scripts' == *cpp* && -x /tmp/mixprec-cppbench/adamw_step ]] && /tmp/mixprec-cppbench/adamw_step && /tmp/mixprec-cppbench/adamw_step --o2
+    [[ '$scripts' == *xent* ]] && $PY benchmarks/cross_entropy.py --out $OUT/cross_entropy.json
     [[ '$scripts' == *overhead* && -f benchmarks/amp_overhead.py ]] && $PY benchmarks/amp_overhead.py --profile --out $OUT/amp_overhead.json
     true"
 fi
