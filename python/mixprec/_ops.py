@@ -219,6 +219,11 @@ def lamb_(
     op's two passes each tensor's ||w|| and ||u||, are reduced across ranks (collectives every
     rank must join, queued on the device)."""
     layout = shard_layout(params)
+    if layout is not None and params and global_grad_norm is None and 0.0 < max_grad_norm < float("inf"):
+        # The whole gradients' norm (multi_tensor_norm reduces the shards'); the op takes it unscaled.
+        global_grad_norm = multi_tensor_norm(grads)[0].reshape(1)
+        if grad_scale is not None:
+            global_grad_norm = global_grad_norm / grad_scale
     params, grads, exp_avgs, exp_avg_sqs, master_params = local_lists(
         "lamb_", (params, grads, exp_avgs, exp_avg_sqs, master_params))
 
@@ -234,11 +239,6 @@ def lamb_(
     if layout is None or not params:
         run()
         return
-    if global_grad_norm is None and 0.0 < max_grad_norm < float("inf"):
-        (_, local_norms) = _ops.multi_tensor_norm(grads, 2.0, True)
-        global_grad_norm = torch.linalg.vector_norm(reduce_shard_norms(layout, local_norms, 2.0)).reshape(1)
-        if grad_scale is not None:
-            global_grad_norm = global_grad_norm / grad_scale  # the op takes a given norm unscaled
     if weight_decay == 0.0 and not use_nvlamb:
         run()  # no trust ratio: one element-wise pass
         return
@@ -303,13 +303,10 @@ def novograd_(
     ``len(params)``), from each gradient's norm (``norm_type`` 2 or inf). Shared arguments as in
     :func:`adam_`. Sharded DTensors (FSDP2) take the norms of whole gradients, reduced across
     ranks (a collective every rank must join); ``exp_avg_sq_norms`` is then the same on every rank."""
-    layout = shard_layout(params)
+    # Sharded: the whole gradients' norms (multi_tensor_norm reduces the shards') replace the op's own.
+    grad_norms = multi_tensor_norm(grads, norm_type, per_tensor=True)[1] if shard_layout(params) is not None else None
     params, grads, exp_avgs, master_params = local_lists(
         "novograd_", (params, grads, exp_avgs, master_params))
-    grad_norms = None
-    if layout is not None and params:
-        _, local_norms = _ops.multi_tensor_norm(grads, float(norm_type), True)
-        grad_norms = reduce_shard_norms(layout, local_norms, float(norm_type))
     _ops.novograd_(
         params, grads, exp_avgs, exp_avg_sq_norms, master_params, step_tensor, lr=lr,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
