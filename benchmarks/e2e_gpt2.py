@@ -8,7 +8,8 @@ levels, GradScaler and FusedAdam, in one run, from the same initial weights on t
 
 Per variant: median step time after warm-up (CUDA events, host never synchronized in the loop),
 tokens/s, peak memory of the training loop, the held-out loss after all steps, and ratios to the
-torch.amp peer of the same dtype. A variant that fails (OOM, ...) is recorded and the run goes on.
+torch.amp peer of the same dtype. The learning rate follows GPT-2's schedule (warm-up, then
+cosine decay) over the run's steps; --schedule constant keeps it flat. A variant that fails (OOM, ...) is recorded and the run goes on.
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def run_variant(name: str, size: str, batches: Batches, device: torch.device, ar
         for i in range(n_total):
             clock.begin(i)
             x, y = batches.train(i)
+            trainer.set_lr(hyper.lr_at(i, n_total))
             losses.append(trainer.step(x, y, clock))
         clock.finish()
         row["wall_ms"] = (time.perf_counter() - clock.host_marks[warmup][0]) / (n_total - warmup) * 1e3
@@ -226,7 +228,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "vocab 512): CPU smoke runs")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=1234, help="weights and data seed (default 1234)")
-    parser.add_argument("--lr", type=float, default=Hyper.lr, help=f"AdamW learning rate (default {Hyper.lr})")
+    parser.add_argument("--lr", type=float, default=Hyper.lr, help=f"AdamW peak learning rate (default {Hyper.lr})")
+    parser.add_argument("--schedule", choices=["cosine", "constant"], default=Hyper.schedule,
+                        help=f"lr schedule: cosine = linear warm-up over the first {Hyper.lr_warmup_ratio:.0%} of the "
+                             f"steps, then cosine decay to {Hyper.min_lr_ratio:g} x lr (GPT-2's); constant = lr "
+                             "throughout (default cosine)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (rewritten after each variant)")
     args = parser.parse_args(argv)
 
@@ -260,7 +266,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for the fp32 variant; low-precision ones have no fp32 GEMM
     n_total = args.long_run if args.long_run else args.warmup + args.steps
-    hyper = Hyper(lr=args.lr)
+    hyper = Hyper(lr=args.lr, schedule=args.schedule)
     env = common.environment(device)
     env["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     config = {"sizes": {s: vars(SIZES[s]) for s in args.size_list}, "variants": args.variant_list,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import torch
@@ -17,10 +18,29 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 @dataclasses.dataclass(frozen=True)
 class Hyper:
-    lr: float = 3e-4
+    lr: float = 3e-4  # the peak learning rate
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # GPT-2's schedule (as nanoGPT trains it): a linear warm-up over the first lr_warmup_ratio of
+    # the run, then a cosine decay to min_lr_ratio * lr at its last step. "constant" keeps lr flat:
+    # without warm-up the first steps are chaotic, and a 300-step loss then differs by several
+    # percent between correct runs (measured: torch.amp fp16 +4.4% vs fp32), hiding the precision.
+    schedule: str = "cosine"
+    lr_warmup_ratio: float = 0.1
+    min_lr_ratio: float = 0.1
+
+    def lr_at(self, step: int, total: int) -> float:
+        """The learning rate of step ``step`` (0-based) of a ``total``-step run. Keyed to the step
+        index, not to the updates applied: a step skipped for an overflow does not shift it."""
+        if self.schedule == "constant":
+            return self.lr
+        warm = max(1, math.ceil(self.lr_warmup_ratio * total))
+        if step < warm:
+            return self.lr * (step + 1) / warm
+        progress = (step - warm) / max(1, total - 1 - warm)  # 0 after the warm-up, 1 at the last step
+        floor = self.min_lr_ratio * self.lr
+        return floor + 0.5 * (self.lr - floor) * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 class Trainer:
@@ -39,6 +59,10 @@ class Trainer:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, clock: PhaseClock) -> torch.Tensor:
         raise NotImplementedError
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
