@@ -198,6 +198,10 @@ VARIANTS = {v.name: v for v in (
             "(fp32 softmax math, no fp32 copy of the logits)", _amp("O2", "fp16", fused_loss=True)),
     Variant("mixprec-o2-bf16-xent", "bf16", "torch-bf16", "mixprec-o2-bf16 with the loss by mixprec.cross_entropy",
             _amp("O2", "bf16", fused_loss=True)),
+    Variant("mixprec-o3-fp16", "fp16", "torch-fp16", "mixprec amp O3 fp16 (pure fp16, no masters, loss scale 1 as "
+            "Apex's O3), FusedAdam", _amp("O3", "fp16")),
+    Variant("mixprec-o3-bf16", "bf16", "torch-bf16", "mixprec amp O3 bf16 (pure bf16, no masters), FusedAdam",
+            _amp("O3", "bf16")),
     Variant("mixprec-o1-fp16", "fp16", "torch-fp16", "mixprec amp O1 fp16 (autocast), FusedAdam", _amp("O1", "fp16")),
     Variant("mixprec-o1-bf16", "bf16", "torch-bf16", "mixprec amp O1 bf16 (autocast), FusedAdam", _amp("O1", "bf16")),
     Variant("mixprec-scaler-fp16", "fp16", "torch-fp16", "torch.autocast fp16 + mixprec GradScaler + FusedAdam",
