@@ -59,8 +59,14 @@ def local_lists(op: str, lists: Sequence[Sequence[torch.Tensor]]) -> list[list[t
     head = lists[0]
     # Only the first list is scanned (every step, so cheaply): state made from a DTensor
     # parameter is a DTensor, state of a plain one is plain.
-    if cls is None or not any(isinstance(t, cls) for t in head):
-        return [list(lst) for lst in lists]
+    # (A plain loop, and map: a generator or comprehension costs Python calls on every step.)
+    if cls is None:
+        return list(map(list, lists))
+    for t in head:
+        if isinstance(t, cls):
+            break
+    else:
+        return list(map(list, lists))
     out = []
     for li, lst in enumerate(lists):
         converted = []

@@ -43,9 +43,12 @@ def check_and_unscale_(grads: Iterable[torch.Tensor], found_per_device: dict[tor
         return
     # The common case, on the hot path of every step: one device, contiguous grads of the op's
     # dtypes. One look at each grad, then the op (the sorting below costs a small model's step
-    # several percent).
+    # several percent). A plain loop: all() over a generator costs a Python call per grad.
     device = grads[0].device
-    if all(g.dtype in _OP_DTYPES and g.is_contiguous() and g.device == device for g in grads):
+    for g in grads:
+        if not (g.dtype in _OP_DTYPES and g.is_contiguous() and g.device == device):
+            break
+    else:
         found = found_per_device.get(device)
         if found is None:
             found = found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
@@ -166,16 +169,23 @@ class ScaleState:
 
     def update(self, found: torch.Tensor) -> None:
         """One dynamic update on the device from the combined ``found`` (a device scalar)."""
-        found = found.to(self.scale.device, non_blocking=True)
-        self._record(found)
+        # Every step: the calls that would do nothing (a copy to the same device, no history, no
+        # observers) are skipped. The hyper-parameters are converted here, not once: GradScaler's
+        # setters and checkpoints change them.
+        scale = self.scale
+        if found.device != scale.device:
+            found = found.to(scale.device, non_blocking=True)
+        if self.history is not None:
+            self._record(found)
         _ops.update_scale_(
-            self.scale, self.growth_tracker, found, float(self.growth_factor), float(self.backoff_factor),
+            scale, self.growth_tracker, found, float(self.growth_factor), float(self.backoff_factor),
             int(self.growth_interval), hysteresis=int(self.hysteresis), hysteresis_tracker=self.hysteresis_tracker,
             skipped_steps=self.skipped, min_scale=float(self.min_scale or 0.0),
             max_scale=float(self.max_scale or 0.0),
         )
-        for fn in update_observers.get(self, ()):
-            fn(self, found)
+        if update_observers.data:  # WeakKeyDictionary's own dict: empty unless diagnostics watch
+            for fn in update_observers.get(self, ()):
+                fn(self, found)
 
     def count_skip(self, found: torch.Tensor) -> None:
         """Counts an overflow without updating the scale (a user-set new scale)."""

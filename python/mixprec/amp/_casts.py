@@ -50,9 +50,37 @@ def to_type(dtype: torch.dtype, t: Any) -> Any:
         return t
 
 
+_Module = torch.nn.Module
+_WALK_METHODS = ("parameters", "named_parameters", "_named_members", "named_modules")
+
+
+def _first_param(module: torch.nn.Module) -> Optional[torch.Tensor]:
+    """``next(module.parameters(), None)``, by the same preorder walk over ``_parameters`` and
+    ``_modules`` that it makes, without its chain of generators (about 20 Python calls on every
+    forward). A module whose class overrides a method of that walk gets the walk itself."""
+    for name in _WALK_METHODS:
+        if getattr(type(module), name) is not getattr(_Module, name):
+            return next(iter(module.parameters()), None)
+    stack = [module]
+    seen = set()  # named_modules' memo: a module reached twice (or a cycle) is walked once
+    while stack:
+        m = stack.pop()
+        if m is None or m in seen:
+            continue
+        if type(m).named_modules is not _Module.named_modules:
+            return next(iter(module.parameters()), None)
+        seen.add(m)
+        for t in m._parameters.values():
+            if t is not None:
+                return t
+        stack.extend(reversed(m._modules.values()))  # popped in registration order
+    return None
+
+
 def _device_type_of(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
-    for t in module.parameters():
-        return t.device.type
+    first = _first_param(module)
+    if first is not None:
+        return first.device.type
     for t in module.buffers():
         return t.device.type
     for v in list(args) + list(kwargs.values()):
@@ -68,10 +96,7 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
     ``torch.autocast(dtype=autocast_dtype)``, outputs cast to ``output_dtype``."""
     inner = model.__dict__.get("forward")
     if inner is None:
-        func = type(model).forward
-
-        def call(self, *args, **kwargs):
-            return func(self, *args, **kwargs)
+        call = type(model).forward  # called as call(self, ...): no wrapper in between
     else:
         def call(self, *args, **kwargs):
             return inner(*args, **kwargs)
@@ -87,7 +112,11 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
                 output = call(self, *args, **kwargs)
         else:
             output = call(self, *args, **kwargs)
-        return applier(output, cast_out) if cast_out is not None else output
+        if cast_out is None:
+            return output
+        if type(output) is torch.Tensor:  # the common output: applier's answer, without its calls
+            return output.to(output_dtype) if output.is_floating_point() else output
+        return applier(output, cast_out)
 
     model.forward = MethodType(forward, model)
 

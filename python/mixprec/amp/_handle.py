@@ -3,8 +3,7 @@ accumulation with delay_unscale) and the on-request views of the loss scalers.""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -21,11 +20,11 @@ def _scaler(loss_id: int) -> LossScaler:
     return _amp_state.loss_scalers[loss_id]
 
 
-@contextlib.contextmanager
 def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bool = False,
-               delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
-    """Yields ``loss.float() * scale`` for ``.backward()``; on exit unscales the gradients of
-    ``optimizers``' params (into fp32 master grads under O2) and updates loss ``loss_id``'s scale.
+               delay_overflow_check: bool = False) -> "_ScaleLoss":
+    """A context manager that yields ``loss.float() * scale`` for ``.backward()``; on exit it
+    unscales the gradients of ``optimizers``' params (into fp32 master grads under O2) and
+    updates loss ``loss_id``'s scale.
 
     - ``delay_unscale=True``: leave the gradients scaled, to accumulate several backward passes
       with the same loss; the last one (``delay_unscale=False``) unscales them all.
@@ -36,56 +35,102 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     - ``delay_overflow_check=True``: the scale update waits for the next ``optimizer.step()``.
     ``model`` is accepted for Apex compatibility and unused.
     """
-    if not _amp_state.initialized:
-        raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
-                           "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
-                           "before `with amp.scale_loss`.")
-    if not _amp_state.opt_properties.enabled:
-        yield loss
-        return
-    optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
-    for opt in optimizers:
-        if not hasattr(opt, "_amp_stash"):
-            raise RuntimeError(f"amp.scale_loss: the optimizer {type(opt).__name__} was not returned by "
-                               "amp.initialize; pass every optimizer through amp.initialize first")
-    scaler = _scaler(loss_id)
-    props = _amp_state.opt_properties
-    unit = not scaler.dynamic and scaler.state.init_scale == 1.0
-    if not props.master_weights and unit:
-        yield loss.float()  # nothing to scale, check or copy (fp32, or bf16 without scaling)
-        return
+    return _ScaleLoss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
 
-    if not delay_unscale:
-        for opt in optimizers:
-            if not opt._amp_stash.params_have_scaled_gradients:
-                opt._amp_stash.prepare_backward()
-    scale = scaler.scale_tensor(loss.device)
-    try:
-        yield loss.float() * scale if not unit else loss.float()
-    except BaseException:
-        for opt in optimizers:
-            opt._amp_stash.abort_backward()
-        raise
-    if delay_unscale:
-        for opt in optimizers:
-            opt._amp_stash.params_have_scaled_gradients = True
-        return
 
-    found: Optional[dict] = {} if scaler.dynamic else None
-    inv = None if unit else scaler.state.inv_scale()
-    for opt in optimizers:
-        opt._amp_stash.post_backward(None if unit else scale, inv, found)
-        opt._amp_stash.params_have_scaled_gradients = False
-    if found is None:
-        return
-    combined = combine_found(found.values(), scale.device) if found else torch.zeros((), device=scale.device)
-    agree_found_inf_(combined, _amp_state.process_group)  # every rank skips, and scales, alike
-    for opt in optimizers:
-        opt._amp_stash.add_found(combined)
-    if delay_overflow_check:
-        _amp_state.deferred_updates.append((scaler, combined))
-    else:
-        scaler.update(combined, _amp_state.verbosity)
+class _ScaleLoss:
+    """scale_loss's context manager. A class rather than a contextlib generator, which costs
+    several Python calls more on every step; everything still happens on entering and exiting
+    the ``with`` block, as with the generator."""
+
+    __slots__ = ("loss", "optimizers", "loss_id", "delay_unscale", "delay_overflow_check", "stashes", "scaler",
+                 "scale", "unit", "active")
+
+    def __init__(self, loss, optimizers, loss_id: int, delay_unscale: bool, delay_overflow_check: bool) -> None:
+        self.loss, self.optimizers, self.loss_id = loss, optimizers, loss_id
+        self.delay_unscale, self.delay_overflow_check = delay_unscale, delay_overflow_check
+        self.active = False  # True once __enter__ has prepared a scaled backward for __exit__ to finish
+
+    def __enter__(self) -> torch.Tensor:
+        props = _amp_state.opt_properties
+        if props is None:  # not _amp_state.initialized
+            raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
+                               "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
+                               "before `with amp.scale_loss`.")
+        options = props.options  # the dict behind Properties' attributes, read without its __getattr__
+        loss = self.loss
+        if not options["enabled"]:
+            return loss
+        optimizers = self.optimizers
+        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        stashes = []
+        for opt in optimizers:
+            stash = getattr(opt, "_amp_stash", None)
+            if stash is None:
+                raise RuntimeError(f"amp.scale_loss: the optimizer {type(opt).__name__} was not returned by "
+                                   "amp.initialize; pass every optimizer through amp.initialize first")
+            stashes.append(stash)
+        loss_id, scalers = self.loss_id, _amp_state.loss_scalers
+        # An exact int in range, the common case, without _scaler()'s checks (which raise otherwise).
+        scaler = scalers[loss_id] if type(loss_id) is int and 0 <= loss_id < len(scalers) else _scaler(loss_id)
+        unit = not scaler.dynamic and scaler.state.init_scale == 1.0
+        if not options["master_weights"] and unit:
+            return loss.float()  # nothing to scale, check or copy (fp32, or bf16 without scaling)
+
+        if not self.delay_unscale:
+            for stash in stashes:
+                if not stash.params_have_scaled_gradients:
+                    stash.prepare_backward()
+        scale = scaler.state.scale
+        if scale is None:
+            scale = scaler.scale_tensor(loss.device)
+        try:
+            scaled = loss.float() * scale if not unit else loss.float()
+        except BaseException:
+            for stash in stashes:
+                stash.abort_backward()
+            raise
+        self.stashes, self.scaler, self.scale, self.unit, self.active = stashes, scaler, scale, unit, True
+        return scaled
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.active:
+            return False
+        self.active = False
+        stashes = self.stashes
+        if exc_type is not None:
+            for stash in stashes:
+                stash.abort_backward()
+            return False  # the exception goes on
+        if self.delay_unscale:
+            for stash in stashes:
+                stash.params_have_scaled_gradients = True
+            return False
+
+        scaler, scale, unit = self.scaler, self.scale, self.unit
+        found: Optional[dict] = {} if scaler.dynamic else None
+        inv = None if unit else scaler.state.inv_scale()
+        for stash in stashes:
+            stash.post_backward(None if unit else scale, inv, found)
+            stash.params_have_scaled_gradients = False
+        if found is None:
+            return False
+        if len(found) == 1:  # one device: combine_found's answer without its calls
+            (combined,) = found.values()
+            if combined.device != scale.device:
+                combined = combined.to(scale.device, non_blocking=True)
+        elif found:
+            combined = combine_found(found.values(), scale.device)
+        else:
+            combined = torch.zeros((), device=scale.device)
+        agree_found_inf_(combined, _amp_state.process_group)  # every rank skips, and scales, alike
+        for stash in stashes:
+            stash.add_found(combined)
+        if self.delay_overflow_check:
+            _amp_state.deferred_updates.append((scaler, combined))
+        else:
+            scaler.update(combined, _amp_state.verbosity)
+        return False
 
 
 def skipped_steps(loss_id: Optional[int] = None) -> int:

@@ -18,6 +18,12 @@ from ._scaler import _amp_state
 
 PLAIN, SWAP, FUSED_MASTERS = "plain", "swap", "fused_masters"
 
+# Grad mode off around the work on gradients, as torch.no_grad() does (grads made by a
+# create_graph backward require grad), without its decorator's ~10 Python calls per use: these
+# run on every step. Use: prev = _grad_enabled(); _set_grad_enabled(False); try/finally restore.
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
 
 def _by_device(*lists):
     out: dict[torch.device, tuple[list, ...]] = {}
@@ -93,23 +99,27 @@ class AmpStash:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
+    # The lists below are comprehensions over the param groups rather than over _group_params():
+    # a generator costs a Python call per param, several times per step.
     def low_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(model param, fp32 master) for every param that has a separate master."""
         if self.kind == SWAP:
             return list(zip(self.low_params, self.low_masters))
         if self.kind == FUSED_MASTERS:
             state = self.optimizer.state
-            return [(p, state[p]["master_param"]) for p in self._group_params()
+            return [(p, state[p]["master_param"]) for group in self.optimizer.param_groups for p in group["params"]
                     if p.dtype != torch.float32 and "master_param" in state.get(p, {})]
         return []
 
     def own_params(self) -> list[torch.Tensor]:
         """Params that are their own master (fp32 params, or every param without masters)."""
+        groups = self.optimizer.param_groups
         if self.kind == PLAIN:
-            return list(self._group_params())
+            return [p for group in groups for p in group["params"]]
         if self.kind == SWAP:
-            return [p for p in self._group_params() if id(p) not in self.master_ids]
-        return [p for p in self._group_params() if p.dtype == torch.float32]
+            ids = self.master_ids
+            return [p for group in groups for p in group["params"] if id(p) not in ids]
+        return [p for group in groups for p in group["params"] if p.dtype == torch.float32]
 
     def master_params(self) -> Iterator[torch.Tensor]:
         if self.kind == FUSED_MASTERS:
@@ -131,8 +141,9 @@ class AmpStash:
             if p.grad is not None:
                 self.stashed[p] = p.grad
                 p.grad = None
-        for p, _ in self.low_pairs():
-            p.grad = None  # scaled leftovers, or already carried by the master grads
+        if self.kind != PLAIN:  # PLAIN has no low pairs
+            for p, _ in self.low_pairs():
+                p.grad = None  # scaled leftovers, or already carried by the master grads
 
     def abort_backward(self) -> None:
         """The backward raised: put the stashed grads back."""
@@ -141,15 +152,24 @@ class AmpStash:
                 p.grad = g
         self.stashed.clear()
 
-    @torch.no_grad()
     def post_backward(self, scale: Optional[torch.Tensor], inv: Optional[torch.Tensor],
                       found: Optional[dict]) -> None:
         """After the backward: check (``found`` not None) and unscale (``scale`` not None: None
         means a static scale of 1) the new grads, and add the stashed ones."""
+        prev = _grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            self._post_backward(scale, inv, found)
+        finally:
+            _set_grad_enabled(prev)
+
+    def _post_backward(self, scale: Optional[torch.Tensor], inv: Optional[torch.Tensor],
+                       found: Optional[dict]) -> None:
         if self.kind == FUSED_MASTERS and not self.materialized:
             if self.pending or not self.stashed:
                 # The fast path: check only; the kernel unscales at the step.
-                grads = [p.grad for p in self._group_params() if p.grad is not None]
+                grads = [p.grad for group in self.optimizer.param_groups for p in group["params"]
+                         if p.grad is not None]
                 if found is not None:
                     check_and_unscale_(grads, found)
                 if not self.pending:
@@ -158,7 +178,7 @@ class AmpStash:
                 return
             self.materialized = True  # unscaled fp32 grads were stashed: merge them eagerly
         # Low-precision model grads into fp32 master grads (SWAP, or materialized FUSED_MASTERS).
-        pairs = [(p, m) for p, m in self.low_pairs() if p.grad is not None]
+        pairs = [(p, m) for p, m in self.low_pairs() if p.grad is not None] if self.kind != PLAIN else ()
         if pairs:
             fresh = [(p, m) for p, m in pairs if m.grad is None]
             accum = [(p, m) for p, m in pairs if m.grad is not None]
@@ -174,7 +194,8 @@ class AmpStash:
         if own and (found is not None or inv is not None):
             check_and_unscale_(own, found if found is not None else {},
                                (lambda d: inv.to(d, non_blocking=True)) if inv is not None else None)
-        self._merge_stash()
+        if self.stashed:
+            self._merge_stash()
         if self.kind == FUSED_MASTERS:
             if scale is not None:
                 self.wb_scale = scale.clone() if self.wb_scale is None else torch.minimum(self.wb_scale, scale)
@@ -213,7 +234,6 @@ class AmpStash:
         self.pending, self.materialized, self.grad_scale = False, True, None
 
     # -- the step ---------------------------------------------------------------------------------
-    @torch.no_grad()
     def prepare_step(self) -> Optional[torch.Tensor]:
         """The grad_scale the optimizer's kernel must divide by (FUSED_MASTERS), after writing
         materialized master grads back into the model's grads."""
@@ -223,6 +243,14 @@ class AmpStash:
             return self.grad_scale
         if not self.materialized:
             return None
+        prev = _grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            return self._write_back()
+        finally:
+            _set_grad_enabled(prev)
+
+    def _write_back(self) -> Optional[torch.Tensor]:
         s = self.wb_scale
         if s is not None and self.contributions > 1:
             # Each contribution fits the low dtype at its own scale; their sum fits at this one.
@@ -247,10 +275,14 @@ class AmpStash:
             self.add_found(rescaled)
         return s
 
-    @torch.no_grad()
     def after_step(self) -> None:
         if self.kind == SWAP and self.low_params:
-            torch._foreach_copy_(self.low_params, self.low_masters)
+            prev = _grad_enabled()
+            _set_grad_enabled(False)  # an in-place copy into the model's leaf params
+            try:
+                torch._foreach_copy_(self.low_params, self.low_masters)
+            finally:
+                _set_grad_enabled(prev)
             for m in self.low_masters:
                 m.grad = None  # Apex: master grads are not zeroed by model.zero_grad()
         if self.kind == FUSED_MASTERS:

@@ -21,8 +21,9 @@ def _patched_step(self, *args: Any, **kwargs: Any):
     closure = args[0] if args else kwargs.get("closure")
     if closure is not None:
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
-    _amp_state.flush_deferred_updates()
-    grad_scale = stash.prepare_step()
+    if _amp_state.deferred_updates:
+        _amp_state.flush_deferred_updates()
+    grad_scale = stash.prepare_step() if stash.kind == FUSED_MASTERS else None
     found = stash.found
     if stash.fused and (found is not None or grad_scale is not None):
         self.grad_scale, self.found_inf = grad_scale, found
@@ -56,9 +57,11 @@ def _patched_zero_grad(self, *args: Any, **kwargs: Any):
             else:
                 p.grad.detach_()
                 p.grad.zero_()
-    for _, m in stash.low_pairs():
-        m.grad = None
-    stash.stashed.clear()
+    if stash.kind != PLAIN:  # PLAIN has no low pairs
+        for _, m in stash.low_pairs():
+            m.grad = None
+    if stash.stashed:
+        stash.stashed.clear()
     stash.pending = stash.materialized = False
     stash.grad_scale = stash.wb_scale = None
     stash.contributions = 0

@@ -91,7 +91,8 @@ class LossScaler:
     def update(self, found: torch.Tensor, verbosity: int) -> None:
         if self.dynamic:
             self.state.update(found)
-            self.reporter.poll(self.state, verbosity)
+            if verbosity:  # poll() does nothing at verbosity 0: skip the call on every step
+                self.reporter.poll(self.state, verbosity)
 
     # Apex's API (these synchronize).
     def loss_scale(self) -> float:
