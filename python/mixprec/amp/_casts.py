@@ -51,16 +51,16 @@ def to_type(dtype: torch.dtype, t: Any) -> Any:
 
 
 _Module = torch.nn.Module
-_WALK_METHODS = ("parameters", "named_parameters", "_named_members", "named_modules")
 
 
 def _first_param(module: torch.nn.Module) -> Optional[torch.Tensor]:
     """``next(module.parameters(), None)``, by the same preorder walk over ``_parameters`` and
     ``_modules`` that it makes, without its chain of generators (about 20 Python calls on every
     forward). A module whose class overrides a method of that walk gets the walk itself."""
-    for name in _WALK_METHODS:
-        if getattr(type(module), name) is not getattr(_Module, name):
-            return next(iter(module.parameters()), None)
+    cls = type(module)  # (attribute reads, not getattr(): no calls)
+    if (cls.parameters is not _Module.parameters or cls.named_parameters is not _Module.named_parameters
+            or cls._named_members is not _Module._named_members):
+        return next(iter(module.parameters()), None)
     stack = [module]
     seen = set()  # named_modules' memo: a module reached twice (or a cycle) is walked once
     while stack:

@@ -159,47 +159,43 @@ class AmpStash:
         prev = _grad_enabled()
         _set_grad_enabled(False)
         try:
-            self._post_backward(scale, inv, found)
+            if self.kind == FUSED_MASTERS and not self.materialized:
+                if self.pending or not self.stashed:
+                    # The fast path: check only; the kernel unscales at the step.
+                    grads = [p.grad for group in self.optimizer.param_groups for p in group["params"]
+                             if p.grad is not None]
+                    if found is not None:
+                        check_and_unscale_(grads, found)
+                    if not self.pending:
+                        self.pending = True
+                        self.grad_scale = scale.clone() if scale is not None else None
+                    return
+                self.materialized = True  # unscaled fp32 grads were stashed: merge them eagerly
+            # Low-precision model grads into fp32 master grads (SWAP, or materialized FUSED_MASTERS).
+            pairs = [(p, m) for p, m in self.low_pairs() if p.grad is not None] if self.kind != PLAIN else ()
+            if pairs:
+                fresh = [(p, m) for p, m in pairs if m.grad is None]
+                accum = [(p, m) for p, m in pairs if m.grad is not None]
+                for _, m in fresh:
+                    m.grad = torch.empty_like(m)
+                if fresh:
+                    _unscale_into([p.grad for p, _ in fresh], [m.grad for _, m in fresh], found, inv)
+                if accum:
+                    tmps = [torch.empty_like(m) for _, m in accum]
+                    _unscale_into([p.grad for p, _ in accum], tmps, found, inv)
+                    torch._foreach_add_([m.grad for _, m in accum], tmps)
+            own = [p.grad for p in self.own_params() if p.grad is not None]
+            if own and (found is not None or inv is not None):
+                check_and_unscale_(own, found if found is not None else {},
+                                   (lambda d: inv.to(d, non_blocking=True)) if inv is not None else None)
+            if self.stashed:
+                self._merge_stash()
+            if self.kind == FUSED_MASTERS:
+                if scale is not None:
+                    self.wb_scale = scale.clone() if self.wb_scale is None else torch.minimum(self.wb_scale, scale)
+                self.contributions += 1
         finally:
             _set_grad_enabled(prev)
-
-    def _post_backward(self, scale: Optional[torch.Tensor], inv: Optional[torch.Tensor],
-                       found: Optional[dict]) -> None:
-        if self.kind == FUSED_MASTERS and not self.materialized:
-            if self.pending or not self.stashed:
-                # The fast path: check only; the kernel unscales at the step.
-                grads = [p.grad for group in self.optimizer.param_groups for p in group["params"]
-                         if p.grad is not None]
-                if found is not None:
-                    check_and_unscale_(grads, found)
-                if not self.pending:
-                    self.pending = True
-                    self.grad_scale = scale.clone() if scale is not None else None
-                return
-            self.materialized = True  # unscaled fp32 grads were stashed: merge them eagerly
-        # Low-precision model grads into fp32 master grads (SWAP, or materialized FUSED_MASTERS).
-        pairs = [(p, m) for p, m in self.low_pairs() if p.grad is not None] if self.kind != PLAIN else ()
-        if pairs:
-            fresh = [(p, m) for p, m in pairs if m.grad is None]
-            accum = [(p, m) for p, m in pairs if m.grad is not None]
-            for _, m in fresh:
-                m.grad = torch.empty_like(m)
-            if fresh:
-                _unscale_into([p.grad for p, _ in fresh], [m.grad for _, m in fresh], found, inv)
-            if accum:
-                tmps = [torch.empty_like(m) for _, m in accum]
-                _unscale_into([p.grad for p, _ in accum], tmps, found, inv)
-                torch._foreach_add_([m.grad for _, m in accum], tmps)
-        own = [p.grad for p in self.own_params() if p.grad is not None]
-        if own and (found is not None or inv is not None):
-            check_and_unscale_(own, found if found is not None else {},
-                               (lambda d: inv.to(d, non_blocking=True)) if inv is not None else None)
-        if self.stashed:
-            self._merge_stash()
-        if self.kind == FUSED_MASTERS:
-            if scale is not None:
-                self.wb_scale = scale.clone() if self.wb_scale is None else torch.minimum(self.wb_scale, scale)
-            self.contributions += 1
 
     def _merge_stash(self) -> None:
         add_to, add_from = [], []
