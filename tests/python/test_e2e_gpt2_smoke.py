@@ -127,12 +127,60 @@ def test_kernel_kinds(name, kind):
     (["--variants", "fp32,fp32"], "listed twice"),
     (["--long-run", "3", "--warmup", "5"], "must exceed --warmup"),
     (["--steps", "0"], "--steps"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         e2e_gpt2.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_repeats_run_interleaved_and_average_the_loss(tmp_path):
+    variants = ["torch-bf16", "mixprec-o2-bf16"]
+    data = run_script(tmp_path, "--device", "cpu", "--steps", "1", "--warmup", "1", "--repeats", "2",
+                      "--variants", ",".join(variants))
+    assert [(r["variant"], r["repeat"]) for r in data["runs"]] == [
+        ("torch-bf16", 0), ("mixprec-o2-bf16", 0), ("torch-bf16", 1), ("mixprec-o2-bf16", 1)]
+    rows = check_rows(data, variants, steps=2)
+    for name, r in rows.items():
+        runs = [x["loss"] for x in data["runs"] if x["variant"] == name]
+        assert r["repeats"] == 2 and r["loss_runs"] == runs
+        assert r["loss"] == pytest.approx(sum(runs) / 2)
+    assert data["config"]["repeats"] == 2
+
+
+def _run_row(variant: str, ms: float, min_ms: float, loss: float, peer=None) -> dict:
+    return {"size": "large", "variant": variant, "peer": peer, "status": "ok", "ms": ms, "min_ms": min_ms,
+            "loss": loss, "skipped_steps": 0, "steps": 25, "repeat": 0}
+
+
+def test_summary_times_the_median_steady_run_and_judges_speed_only_when_both_are_steady():
+    o2 = "mixprec-o2-fp16"
+    runs = [
+        _run_row("torch-fp16", 66.0, 65.9, 5.20), _run_row(o2, 53.0, 52.5, 5.15, peer="torch-fp16"),
+        _run_row("torch-fp16", 90.0, 66.0, 5.14), _run_row(o2, 80.0, 52.4, 5.15, peer="torch-fp16"),  # stalled
+        _run_row("torch-fp16", 66.5, 66.2, 5.22), _run_row(o2, 52.6, 52.3, 5.16, peer="torch-fp16"),
+    ]
+    rows = {r["variant"]: r for r in e2e_gpt2.summarize(runs)}
+    # Timing: the median of the steady runs (an even count takes the faster middle one), never a stalled one.
+    assert rows["torch-fp16"]["ms"] == 66.0 and rows[o2]["ms"] == 52.6
+    assert rows[o2]["steady_repeats"] == 2 and rows[o2]["repeats"] == 3 and rows[o2]["min_ms"] == 52.3
+    # Loss: the mean of every run, stalled ones included (a stall changes the time, not the result).
+    assert rows["torch-fp16"]["loss"] == pytest.approx((5.20 + 5.14 + 5.22) / 3)
+    summary = list(rows.values())
+    e2e_gpt2.compare(summary)
+    assert rows[o2]["vs_peer"] == pytest.approx(66.0 / 52.6)
+    verdicts = e2e_gpt2.bars(summary, long_run=False)
+    assert any(v.startswith("PASS large mixprec-o2-fp16: 1.255x") for v in verdicts), verdicts
+    assert any("means of 3 runs each" in v and v.startswith("PASS") for v in verdicts), verdicts
+
+    # No steady run of the peer: the speed bar is reported, not judged.
+    unsteady = [dict(r, ms=r["ms"] * 1.2) if r["variant"] == "torch-fp16" else r for r in runs]
+    summary = e2e_gpt2.summarize(unsteady)
+    e2e_gpt2.compare(summary)
+    speed = [v for v in e2e_gpt2.bars(summary, long_run=False) if "tokens/s" in v]
+    assert speed and all(v.startswith("UNSTEADY") for v in speed), speed
 
 
 @pytest.mark.cuda
