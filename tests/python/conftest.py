@@ -89,6 +89,11 @@ def rng(seed) -> random.Random:
     return random.Random(seed)
 
 
+def scalar(value: float, device, dtype=torch.float32) -> torch.Tensor:
+    """A one-element device tensor, as the ops take scales, flags and learning rates."""
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
 def random_tensor(shape, dtype, device, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
     """Random values with random signs and magnitudes in [0.25, 4) * scale: never zero, so a
     kernel that skips an element or writes zeros cannot pass by accident."""

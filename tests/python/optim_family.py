@@ -18,6 +18,7 @@ from conftest import (
     peer_bound,
     random_tensor,
     rel_err,
+    scalar,
     snapshot,
     torch_grad_scaler,
 )
@@ -25,10 +26,6 @@ from conftest import (
 LOW = (torch.float16, torch.bfloat16)
 STEPS = 20
 SHAPES = [(17,), (5, 9), (3, 4, 2), (1,)]
-
-
-def scalar(value: float, device) -> torch.Tensor:
-    return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
 def flat(tensors):

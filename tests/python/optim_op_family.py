@@ -18,11 +18,12 @@ from conftest import (
     check_rejected,
     inject_non_finite,
     random_tensor,
+    scalar,
     snapshot,
     sync,
     unaligned_view,
 )
-from optim_family import LOW, flat, scalar
+from optim_family import LOW, flat
 
 WHERE_VALUE = list(zip(("first", "last", "random"), NON_FINITE))
 

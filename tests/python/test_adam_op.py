@@ -9,8 +9,8 @@ import torch
 
 import mixprec
 import optim_op_family as opf
-from conftest import assert_bitwise_equal, assert_rel_err, boundary_sizes, random_tensor
-from optim_family import flat, scalar
+from conftest import assert_bitwise_equal, assert_rel_err, boundary_sizes, random_tensor, scalar
+from optim_family import flat
 from optim_op_family import (  # shared tests: pytest collects them here, on this module's op_family
     test_op_found_inf_skips_everything,
     test_op_grad_scale_unscales,

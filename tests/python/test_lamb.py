@@ -17,16 +17,13 @@ from conftest import (
     assert_unchanged,
     peer_bound,
     random_tensor,
+    scalar,
     snapshot,
 )
 from mixprec.optimizers.fused_lamb import FusedLAMB
 
 OP = "lamb_"
 LOW = (torch.float16, torch.bfloat16)
-
-
-def scalar(value: float, device) -> torch.Tensor:
-    return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
 # ---- the reference ------------------------------------------------------------------------------

@@ -20,12 +20,13 @@ from conftest import (
     inject_non_finite,
     poison_,
     random_tensor,
+    scalar,
     snapshot,
     sync,
     unaligned_view,
 )
 from mixprec.optimizers.fused_lamb import FusedLAMB
-from test_lamb import OP, Track, clip_factor, lamb_args, reference_step, scalar  # shared helpers
+from test_lamb import OP, Track, clip_factor, lamb_args, reference_step  # shared helpers
 
 
 # ---- the op: edge cases ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from conftest import (
     inject_non_finite,
     random_tensor,
     random_tensors,
+    scalar,
     snapshot,
     sync,
     unaligned_view,
@@ -33,7 +34,6 @@ from test_novograd import (  # shared helpers
     flags_id,
     make_state,
     run_op,
-    scalar,
 )
 
 

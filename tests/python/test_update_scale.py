@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import mixprec
-from conftest import assert_bitwise_equal, check_rejected
-from test_loss_scale import f32, scalar  # shared helpers
+from conftest import assert_bitwise_equal, check_rejected, scalar
+from test_loss_scale import f32  # shared helpers
 
 
 # ---- update_scale_ -----------------------------------------------------------------------------------
