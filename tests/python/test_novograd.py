@@ -19,6 +19,7 @@ from conftest import (
     random_tensor,
     random_tensors,
     rel_err,
+    scalar,
     snapshot,
 )
 from mixprec.optimizers.fused_novograd import FusedNovoGrad
@@ -98,10 +99,6 @@ class ReferenceNovoGrad:
 # ---- helpers --------------------------------------------------------------------------------------
 
 HP = dict(lr=0.05, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.01)
-
-
-def scalar(value: float, device) -> torch.Tensor:
-    return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
 def make_state(sizes, param_dtype, grad_dtype, device, gen, master: bool):
@@ -232,12 +229,14 @@ def test_trajectory_matches_float64_reference(device, gen, dtype, master, flags)
         assert_rel_err(norms, torch.tensor(ref.v, dtype=torch.float64), 1e-5, f"{where}: exp_avg_sq")
         assert opt.param_groups[gi]["step"].item() == 20
         if dtype == torch.float32 or master:
-            for i, (p, w, w0) in enumerate(zip(ps, ref.w, start[gi])):
-                master_w = opt.state[p].get("master_param", p)
+            masters = [opt.state[p].get("master_param", p) for p in ps]
+            for i, (p, master_w) in enumerate(zip(ps, masters)):
                 assert master_w.dtype == torch.float32
-                assert_close(master_w, w, w0, 1e-5, f"{where}: weight {i}")
                 assert_bitwise_equal(p.detach(), master_w.to(dtype), f"{where}: param {i} is not the rounded master")
-            # The moments of the group together: a one-element moment can end near zero by chance.
+            # Weights and moments of the group together: a one-element tensor can start and end near
+            # zero by chance, and then fp32's rounding over 20 steps is a large part of it (seen:
+            # 1.3e-5 of a (1,) weight in 4 of 4119 seeds, fp16 with masters and the inf norm).
+            assert_close(cat(masters), cat(ref.w), cat(start[gi]), 1e-5, f"{where}: weights")
             assert_rel_err(cat([opt.state[p]["exp_avg"] for p in ps]), cat(ref.m), 1e-5, f"{where}: exp_avg")
         else:
             # Twice the error of plain PyTorch in this precision, never below one rounding of it.
