@@ -169,23 +169,20 @@ class ScaleState:
 
     def update(self, found: torch.Tensor) -> None:
         """One dynamic update on the device from the combined ``found`` (a device scalar)."""
-        # Every step: the calls that would do nothing (a copy to the same device, no history, no
-        # observers) are skipped. The hyper-parameters are converted here, not once: GradScaler's
-        # setters and checkpoints change them.
+        # Every step: a copy to the same device is skipped. The hyper-parameters are converted here,
+        # not once: GradScaler's setters and checkpoints change them.
         scale = self.scale
         if found.device != scale.device:
             found = found.to(scale.device, non_blocking=True)
-        if self.history is not None:
-            self._record(found)
+        self._record(found)
         _ops.update_scale_(
             scale, self.growth_tracker, found, float(self.growth_factor), float(self.backoff_factor),
             int(self.growth_interval), hysteresis=int(self.hysteresis), hysteresis_tracker=self.hysteresis_tracker,
             skipped_steps=self.skipped, min_scale=float(self.min_scale or 0.0),
             max_scale=float(self.max_scale or 0.0),
         )
-        if update_observers.data:  # WeakKeyDictionary's own dict: empty unless diagnostics watch
-            for fn in update_observers.get(self, ()):
-                fn(self, found)
+        for fn in update_observers.get(self, ()):
+            fn(self, found)
 
     def count_skip(self, found: torch.Tensor) -> None:
         """Counts an overflow without updating the scale (a user-set new scale)."""

@@ -13,6 +13,9 @@ from ._scaler import LossScaler, _amp_state
 
 
 def _scaler(loss_id: int) -> LossScaler:
+    scalers = _amp_state.loss_scalers
+    if type(loss_id) is int and 0 <= loss_id < len(scalers):  # the common case first: one check per step
+        return scalers[loss_id]
     if not _amp_state.initialized:
         raise RuntimeError("mixprec.amp is not initialized: call amp.initialize(...) first")
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(_amp_state.loss_scalers):
@@ -70,9 +73,7 @@ class _ScaleLoss:
                 raise RuntimeError(f"amp.scale_loss: the optimizer {type(opt).__name__} was not returned by "
                                    "amp.initialize; pass every optimizer through amp.initialize first")
             stashes.append(stash)
-        loss_id, scalers = self.loss_id, _amp_state.loss_scalers
-        # An exact int in range, the common case, without _scaler()'s checks (which raise otherwise).
-        scaler = scalers[loss_id] if type(loss_id) is int and 0 <= loss_id < len(scalers) else _scaler(loss_id)
+        scaler = _scaler(self.loss_id)
         unit = not scaler.dynamic and scaler.state.init_scale == 1.0
         if not options["master_weights"] and unit:
             return loss.float()  # nothing to scale, check or copy (fp32, or bf16 without scaling)
@@ -115,14 +116,7 @@ class _ScaleLoss:
             stash.params_have_scaled_gradients = False
         if found is None:
             return False
-        if len(found) == 1:  # one device: combine_found's answer without its calls
-            (combined,) = found.values()
-            if combined.device != scale.device:
-                combined = combined.to(scale.device, non_blocking=True)
-        elif found:
-            combined = combine_found(found.values(), scale.device)
-        else:
-            combined = torch.zeros((), device=scale.device)
+        combined = combine_found(found.values(), scale.device) if found else torch.zeros((), device=scale.device)
         agree_found_inf_(combined, _amp_state.process_group)  # every rank skips, and scales, alike
         for stash in stashes:
             stash.add_found(combined)

@@ -23,7 +23,7 @@ def _patched_step(self, *args: Any, **kwargs: Any):
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
     if _amp_state.deferred_updates:
         _amp_state.flush_deferred_updates()
-    grad_scale = stash.prepare_step() if stash.kind == FUSED_MASTERS else None
+    grad_scale = stash.prepare_step()
     found = stash.found
     if stash.fused and (found is not None or grad_scale is not None):
         self.grad_scale, self.found_inf = grad_scale, found
