@@ -9,9 +9,11 @@ namespace mixprec::kernels {
 
 // One pass per chunk: read each gradient once, flag non-finite values (tested before scaling,
 // as torch does), and when asked write g * inv_scale to the output list (in place or another
-// dtype). The check-only form (NLists == 1, no scale) reads and never writes.
-template <int NLists, typename TIn, typename TOut>
+// dtype). The check-only form (NLists == 1, no scale) reads and never writes. Chunk: elements per
+// chunk (the launcher's default, or a multiple of it: see loss_scale.cu).
+template <int NLists, typename TIn, typename TOut, int64_t Chunk = kChunkElems>
 struct UnscaleOp {
+  static constexpr int64_t kChunk = Chunk;
   float* found_inf;
   const float* inv_scale;
   float* per_tensor_found;
