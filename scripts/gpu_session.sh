@@ -4,10 +4,9 @@
 # $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
 #   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e]   (default: all)
 #   env: TEST_PATHS, PYTEST_ARGS (tests); BENCH_SCRIPTS (bench: which of loss_scale optimizer cpp
-#   overhead xent grid chunk, default all but grid and chunk), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); STEP_TIMEOUT
+#   overhead xent grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); STEP_TIMEOUT
 #   (s, per step). "grid" reruns loss_scale_ops.py with one block per chunk for persistent ops
-#   (MIXPREC_PERSISTENT_GRID=chunks), to compare with the default resident-sized grid; "chunk"
-#   reruns it with byte-sized unscale chunks for 2-byte grads (MIXPREC_UNSCALE_CHUNK=bytes).
+#   (MIXPREC_PERSISTENT_GRID=chunks), to compare with the default resident-sized grid.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -56,7 +55,6 @@ if [[ $steps == *bench* ]]; then
   run bench bash -c "
     [[ '$scripts' == *loss_scale* ]] && $PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops.json
     [[ '$scripts' == *grid* ]] && MIXPREC_PERSISTENT_GRID=chunks $PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops_chunks.json
-    [[ '$scripts' == *chunk* ]] && MIXPREC_UNSCALE_CHUNK=bytes $PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops_bytes.json
     [[ '$scripts' == *optimizer* ]] && $PY benchmarks/optimizer_step.py --out $OUT/optimizer_step.json ${BENCH_OPT_ARGS:-}
     [[ '$scripts' == *cpp* && -x /tmp/mixprec-cppbench/adamw_step ]] && /tmp/mixprec-cppbench/adamw_step && /tmp/mixprec-cppbench/adamw_step --o2
     [[ '$scripts' == *xent* ]] && $PY benchmarks/cross_entropy.py --out $OUT/cross_entropy.json

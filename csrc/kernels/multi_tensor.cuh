@@ -259,14 +259,6 @@ struct IsPersistent : std::true_type {};
 template <typename Op>
 struct IsPersistent<Op, std::void_t<decltype(Op::kPersistent)>> : std::bool_constant<Op::kPersistent> {};
 
-// An op may set its own chunk length (static constexpr int64_t kChunk, a multiple of kChunkElems);
-// otherwise chunks are kChunkElems long. Ops with their own length get no global chunk id
-// (c.global_chunk = -1): the per-chunk scratch of the norms is laid out in kChunkElems chunks.
-template <typename Op, typename = void>
-struct ChunkElemsOf : std::integral_constant<int64_t, kChunkElems> {};
-template <typename Op>
-struct ChunkElemsOf<Op, std::void_t<decltype(Op::kChunk)>> : std::integral_constant<int64_t, Op::kChunk> {};
-
 // Persistent ops run on a grid of what the GPU holds resident at once, each block walking the
 // chunks block, block + grid, ... so no block pays start-up for one short chunk (a 64 Ki-element
 // fp16 chunk is only 128 KB) and neighbouring blocks stream neighbouring memory. Ops whose
@@ -279,15 +271,14 @@ __device__ __forceinline__ void run_chunk(const TensorTable<NLists>& table, cons
     const int mid = (lo + hi + 1) >> 1;
     if (table.block_start[mid] <= block) lo = mid; else hi = mid - 1;
   }
-  constexpr int64_t kElems = ChunkElemsOf<Op>::value;
   ChunkCtx c;
   c.t = lo;
   const int32_t chunk = block - table.block_start[lo];
-  c.begin = static_cast<int64_t>(chunk) * kElems;
-  c.n = static_cast<int>(min(kElems, table.numel[lo] - c.begin));
+  c.begin = static_cast<int64_t>(chunk) * kChunkElems;
+  c.n = static_cast<int>(min(static_cast<int64_t>(kChunkElems), table.numel[lo] - c.begin));
   c.vec_ok = table.aligned[lo] != 0;
   c.arg_index = table.arg_index[lo];
-  c.global_chunk = kElems == kChunkElems ? table.first_chunk[lo] + chunk : -1;
+  c.global_chunk = table.first_chunk[lo] + chunk;
   op(table, c);
 }
 
@@ -366,12 +357,8 @@ template <int NLists, typename Op>
 void launch_multi_tensor(const TensorGroup& g, const Op& op, Stream stream) {
   using Table = TensorTable<NLists>;
   static_assert(sizeof(Table) + sizeof(Op) <= 32764, "kernel parameters exceed CUDA's 32764-byte limit");
-  constexpr int64_t kElems = ChunkElemsOf<Op>::value;
-  static_assert(kElems % kChunkElems == 0 && kElems <= (int64_t{1} << 24),
-                "an op's chunk is a multiple of kChunkElems (every chunk start stays vector-aligned, and the "
-                "launcher's 2^31-chunk limit, counted in kChunkElems chunks, stays conservative)");
   for_each_table<NLists>(
-      g, [&](int64_t i) { return (g.numel[i] + kElems - 1) / kElems; },
+      g, [&](int64_t i) { return num_chunks(g.numel[i]); },
       [&](const Table& table, unsigned blocks) {
         const unsigned grid = IsPersistent<Op>::value && persistent_grid()
                                   ? std::min<unsigned>(blocks, resident_blocks(multi_tensor_kernel<NLists, Op>))

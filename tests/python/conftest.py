@@ -120,8 +120,9 @@ def mostly_one_dtype(n: int, rng: random.Random, others: int = 40) -> list[torch
 
 
 def boundary_sizes(rng: random.Random) -> list[int]:
-    """Sizes around one, two and four chunks (two and four: the edges of ops that take chunks of
-    twice the elements), tiny ones, odd ones, and random ones up to two chunks."""
+    """Sizes around one, two and four chunks (a persistent block walks several chunks, and a
+    16-byte word path meets the chunk's end there), tiny ones, odd ones, and random ones up to two
+    chunks."""
     sizes = [1, 3, 7, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK - 1, 2 * CHUNK + 5, 4 * CHUNK + 3]
     sizes += [rng.randint(1, 2 * CHUNK) for _ in range(2)] + [rng.randint(1, 64) for _ in range(3)]
     rng.shuffle(sizes)

@@ -243,38 +243,22 @@ def test_float32_rounds_to_nearest_even_like_torch(device, out_dtype, gen):
     assert_bitwise_equal(out[0].cpu(), x.cpu().to(out_dtype), f"float32 -> {out_dtype}", nan_equal=True)
 
 
-def rerun_in_a_fresh_process(env: dict, files: list[str], selection: str, what: str) -> None:
-    """Runs the selected tests of ``files`` under ``env`` in a new process: for kernel choices
-    that an environment variable makes once per process."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(os.path.join(here, f) for f in files),
-           "-k", selection]
-    r = subprocess.run(cmd, env=dict(os.environ, **env), cwd=here, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, f"{what} failed:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
-    assert " passed" in r.stdout and "no tests ran" not in r.stdout, r.stdout[-2000:]
-
-
 @pytest.mark.skipif(os.environ.get("MIXPREC_CPU_SIMD") == "0", reason="this run is on the portable path already")
 def test_portable_cpu_path_passes_the_exactness_tests():
     # The CPU kernels pick AVX2/F16C code at run time; aarch64 and older x86-64 CPUs run the
     # portable code instead. MIXPREC_CPU_SIMD=0 forces that code, so rerun the bitwise and
-    # inf/NaN tests of the unscale and the norm under it.
+    # inf/NaN tests of the unscale and the norm under it, in a fresh process (the choice is made
+    # once per process).
+    here = os.path.dirname(os.path.abspath(__file__))
     selected = ("every_16_bit or rounds_to_nearest or equals_torch_amp or found_at_every_position or boundary_sizes"
                 " or into_out_of_another_dtype or matches_float64 or non_finite_propagates or nan_beats_inf"
                 " or is_deterministic")
-    rerun_in_a_fresh_process({"MIXPREC_CPU_SIMD": "0"}, ["test_loss_scale.py", "test_norm.py"],
-                             f"cpu and ({selected})", "portable path")
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(os.environ.get("MIXPREC_UNSCALE_CHUNK") == "bytes", reason="this run has byte-sized chunks")
-def test_cuda_unscale_with_byte_sized_chunks():
-    # MIXPREC_UNSCALE_CHUNK=bytes gives 2-byte gradients chunks of twice the elements (an experiment
-    # of kernels/cuda/loss_scale.cu, chosen once per process): rerun the CUDA unscale tests under it.
-    selected = ("boundary_sizes or into_out or found_at_every_position or equals_torch_amp or check_only_writes"
-                " or random_lists or more_tensors_than or zero_size or every_16_bit or rounds_to_nearest")
-    rerun_in_a_fresh_process({"MIXPREC_UNSCALE_CHUNK": "bytes"}, ["test_loss_scale.py"],
-                             f"cuda and ({selected})", "unscale with byte-sized chunks")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, "test_loss_scale.py"),
+           os.path.join(here, "test_norm.py"), "-k", f"cpu and ({selected})"]
+    r = subprocess.run(cmd, env=dict(os.environ, MIXPREC_CPU_SIMD="0"), cwd=here, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, f"portable path failed:\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
+    assert " passed" in r.stdout and "no tests ran" not in r.stdout, r.stdout[-2000:]
 
 
 @given(
