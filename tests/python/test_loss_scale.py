@@ -218,7 +218,7 @@ def test_found_inf_is_sticky_and_checks_inputs_not_products(device):
 @pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_every_16_bit_pattern_converts_exactly(device, in_dtype):
     # All 65536 fp16/bf16 values, subnormals, infs and NaNs included, into fp32 and back.
-    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(in_dtype).to(device)
+    x = every_16_bit_pattern(in_dtype).to(device)
     out = [poisoned_like(x, torch.float32)]
     found = scalar(0.0, device)
     mixprec.non_finite_check_and_unscale_([x], found, None, out)
@@ -227,6 +227,51 @@ def test_every_16_bit_pattern_converts_exactly(device, in_dtype):
     back = [poisoned_like(x)]
     mixprec.non_finite_check_and_unscale_(out, None, None, back)
     assert_bitwise_equal(back[0].cpu(), x.cpu(), f"{in_dtype} -> float32 -> {in_dtype}", nan_equal=True)
+
+
+def every_16_bit_pattern(dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_non_finite_16_bit_pattern_is_found_in_every_lane(device, dtype):
+    # The CUDA kernels test two 2-byte values of a word at once on their raw bits: every inf and
+    # NaN pattern (fp16: 2048, bf16: 256), each alone in an otherwise finite 16-element tensor
+    # (two whole 16-byte vectors) at a position that walks all lanes of a vector, must raise its
+    # tensor's flag, in place and read-only; no finite pattern may raise one.
+    bits = every_16_bit_pattern(dtype)
+    bad = bits[~torch.isfinite(bits.float())]
+    assert len(bad) == (2048 if dtype == torch.float16 else 256)
+    tensors = []
+    for i, value in enumerate(bad):
+        t = torch.ones(16, dtype=dtype)
+        t[i % 16] = value
+        tensors.append(t.to(device))
+    finite = bits[torch.isfinite(bits.float())].to(device)
+    for inv in (None, 0.5):  # read-only check, in place
+        grads = [t.clone() for t in tensors] + [finite.clone()]
+        flags = torch.zeros(len(grads), device=device)
+        found = scalar(0.0, device)
+        mixprec.non_finite_check_and_unscale_(grads, found, None if inv is None else scalar(inv, device),
+                                              per_tensor_found=flags)
+        assert found.item() == 1.0
+        assert flags[:-1].eq(1).all(), f"missed non-finite patterns: {bad[flags[:-1].cpu() != 1][:8]}"
+        assert flags[-1].item() == 0.0, "a finite pattern was taken for inf or NaN"
+
+
+@pytest.mark.parametrize("inv", [0.5, 2.0**-10, 1.0 / 1021.0], ids=["half", "2^-10", "not_pow2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_every_finite_16_bit_pattern_scales_in_place_like_torch(device, dtype, inv):
+    # In place, 2-byte values are scaled two to a word and rounded back by a paired convert:
+    # every finite pattern (subnormals included) must come out as one fp32 product rounded once.
+    bits = every_16_bit_pattern(dtype)
+    x = bits[torch.isfinite(bits.float())]
+    g = x.to(device, copy=True)  # a copy on the CPU too: x stays the reference's input
+    found = scalar(0.0, device)
+    inv32 = f32(inv)
+    mixprec.non_finite_check_and_unscale_([g], found, scalar(inv32, device))
+    assert found.item() == 0.0
+    assert_bitwise_equal(g.cpu(), expected_unscaled(x, inv32, dtype), f"{dtype} x {inv32} in place")
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16], ids=str)
