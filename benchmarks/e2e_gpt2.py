@@ -274,7 +274,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234, help="weights and data seed (default 1234)")
     parser.add_argument("--lr", type=float, default=Hyper.lr, help=f"AdamW peak learning rate (default {Hyper.lr})")
     parser.add_argument("--schedule", choices=["cosine", "constant"], default=Hyper.schedule,
-                        help=f"lr schedule: cosine = linear warm-up over the first {Hyper.lr_warmup_ratio:.0%} of the "
+                        help=f"lr schedule: cosine = linear warm-up over the first {Hyper.lr_warmup_ratio:.0%}% of the "
                              f"steps, then cosine decay to {Hyper.min_lr_ratio:g} x lr (GPT-2's); constant = lr "
                              "throughout (default cosine)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (rewritten after each variant)")
