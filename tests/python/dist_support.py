@@ -1,6 +1,7 @@
 # Runs a test function on several ranks of a torch.distributed process group (gloo on the CPU,
-# NCCL on GPUs), each in its own process, and hands each rank's result back to the test; plus
-# the small model, data and comparisons the distributed tests share.
+# gloo with CUDA tensors on one GPU or more, NCCL on two GPUs or more), each in its own process,
+# and hands each rank's result back to the test; plus the small model, data and comparisons the
+# distributed tests share.
 from __future__ import annotations
 
 import datetime
@@ -15,13 +16,20 @@ import torch
 #: Children of CUDA tests must not use NVLink multicast (NVLS), which the lent GPU machines lack.
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-#: (backend, device) pairs: gloo on the CPU in CI, NCCL on as many GPUs as the machine has.
-BACKENDS = (pytest.param(("gloo", "cpu"), id="gloo"), pytest.param(("nccl", "cuda"), marks=pytest.mark.cuda, id="nccl"))
+#: (backend, device) pairs: gloo on the CPU in CI; gloo with CUDA tensors, two ranks sharing the
+#: GPUs round-robin (one GPU is enough: mixprec's CUDA kernels, DDP and FSDP2 run on device while
+#: gloo moves each collective through the host); NCCL on as many GPUs as the machine has.
+BACKENDS = (
+    pytest.param(("gloo", "cpu"), id="gloo"),
+    pytest.param(("gloo", "cuda"), marks=pytest.mark.cuda, id="gloo-cuda"),
+    pytest.param(("nccl", "cuda"), marks=pytest.mark.cuda, id="nccl"),
+)
 
 
-def world_size(device: str) -> int:
-    """2 ranks on the CPU; every GPU on a CUDA machine (skipped below 2)."""
-    if device == "cpu":
+def world_size(backend: str, device: str) -> int:
+    """2 ranks on the CPU and for gloo on GPUs; every GPU for NCCL (skipped below 2: NCCL refuses
+    two ranks on one GPU)."""
+    if device == "cpu" or backend == "gloo":
         return 2
     n = torch.cuda.device_count()
     if n < 2:
@@ -29,18 +37,24 @@ def world_size(device: str) -> int:
     return n
 
 
+def rank_device(rank: int, device: str) -> torch.device:
+    """The device of ``rank``: the CPU, or GPU rank mod the GPU count."""
+    return torch.device("cuda", rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+
+
 def _entry(rank: int, fn: Callable, world: int, backend: str, device: str, tmp: str, args: tuple) -> None:
     os.environ.update(CHILD_ENV)
     torch.set_num_threads(1)  # tiny models; two ranks share this machine's cores
     kwargs: dict[str, Any] = {}
+    dev = rank_device(rank, device)
     if device == "cuda":
-        torch.cuda.set_device(rank)
-        kwargs["device_id"] = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+        if backend == "nccl":  # binds the communicator to the rank's GPU at once
+            kwargs["device_id"] = dev
     # A file store: no port to pick, none to collide with another test run on the machine.
     torch.distributed.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world,
                                          timeout=datetime.timedelta(seconds=120), **kwargs)
     try:
-        dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
         result = fn(rank, world, dev, *args)
         torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
     finally:
@@ -52,7 +66,7 @@ def run_ranks(fn: Callable, *args: Any, backend: str = "gloo", device: str = "cp
     torch.save takes), rank 0 first. An exception on any rank fails the test with its traceback;
     the other ranks are ended. CPU ranks are forked (no second import of torch: each test stays a
     few seconds); CUDA ranks are spawned, as CUDA requires."""
-    world = world_size(device)
+    world = world_size(backend, device)
     if device == "cpu":
         # DDP's forward imports torch._dynamo (seconds): once here, every forked rank inherits it.
         import torch._dynamo  # noqa: F401

@@ -1,4 +1,5 @@
-# mixprec under FSDP2 (fully_shard), 2 gloo ranks on the CPU (every GPU with NCCL, marked cuda):
+# mixprec under FSDP2 (fully_shard), 2 gloo ranks on the CPU (marked cuda: 2 gloo ranks on the
+# GPUs, NCCL on every GPU; dist_support.BACKENDS):
 # fused optimizers on sharded DTensor parameters with sharded master weights (LAMB and NovoGrad
 # with norms of whole tensors reduced across ranks), GradScaler's found_inf agreed over the
 # shards, the MixedPrecisionPolicy route to O2 against amp's O2 in one process,
