@@ -199,7 +199,37 @@ def grad_scaler(device: torch.device) -> None:
     assert torch_scaler.get_scale() == scaler.get_scale()
 
 
-RECIPES = {f.__name__: f for f in (migrate, bf16, accumulation, two_losses, checkpoint, skipped_steps, grad_scaler)}
+def fused_loss(device: torch.device) -> None:
+    """O2 with low-precision logits and mixprec.cross_entropy: no float32 copy of the logits."""
+    vocab = 512
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, 64), torch.nn.Linear(64, vocab)).to(device)
+    optimizer = FusedAdam(model.parameters(), lr=1e-2)
+    # The outputs stay float16: mixprec.cross_entropy computes in float32 from them directly.
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", cast_model_outputs=torch.float16,
+                                      verbosity=0)
+    gen = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, vocab, (8, 33), generator=gen).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    first = None
+    for _ in range(20):
+        optimizer.zero_grad()
+        logits = model(x)
+        loss = mixprec.cross_entropy(logits, y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        first = loss.item() if first is None else first
+    reference = torch.nn.functional.cross_entropy(logits.detach().float().flatten(0, 1), y.flatten())
+    print(f"  logits {logits.dtype}, loss {first:.3f} -> {loss.item():.3f} "
+          f"(F.cross_entropy on float32 logits: {reference.item():.3f})")
+    assert logits.dtype == torch.float16 and loss.dtype == torch.float32
+    assert abs(loss.item() - reference.item()) <= 1e-5 * reference.item()
+    assert loss.item() < first * 0.8
+
+
+RECIPES = {f.__name__: f for f in (migrate, bf16, accumulation, two_losses, checkpoint, skipped_steps, grad_scaler,
+                                   fused_loss)}
 
 
 def main() -> None:
