@@ -1,6 +1,7 @@
 # mixprec under DistributedDataParallel, 2 gloo ranks on the CPU (marked cuda: 2 gloo ranks on
-# the GPUs, NCCL on every GPU; dist_support.BACKENDS): amp at every opt level and mixprec.GradScaler keep the ranks identical when an overflow
-# hits one rank only, match one process on the concatenated batch, and resume from checkpoints.
+# the GPUs, NCCL on every GPU; dist_support.BACKENDS): amp at every opt level and
+# mixprec.GradScaler keep the ranks identical when an overflow hits one rank only, match one
+# process on the concatenated batch, and resume from checkpoints.
 from __future__ import annotations
 
 import math

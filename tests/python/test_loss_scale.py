@@ -234,19 +234,31 @@ def every_16_bit_pattern(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_every_non_finite_16_bit_pattern_is_found_in_every_lane(device, dtype):
-    # The CUDA kernels test two 2-byte values of a word at once on their raw bits: every inf and
-    # NaN pattern (fp16: 2048, bf16: 256), each alone in an otherwise finite 16-element tensor
-    # (two whole 16-byte vectors) at a position that walks all lanes of a vector, must raise its
-    # tensor's flag, in place and read-only; no finite pattern may raise one.
+def test_every_non_finite_16_bit_pattern_is_found_in_every_lane(device, dtype, gen):
+    # The CUDA kernels test two 2-byte values of a word at once on their raw bits. Each inf and
+    # NaN pattern (fp16: 2048, bf16: 256) sits alone in an otherwise finite 16-element tensor (two
+    # whole 16-byte vectors), at a lane that does not follow the pattern's low bit; +-inf and a
+    # NaN sit in each of the 16 lanes; and single bad values sit where a thread's later vectors,
+    # a later loop iteration, a chunk's cut-off last vector and an unaligned tensor are read. Every
+    # such tensor must raise its own flag, in place and read-only, and no finite pattern may.
     bits = every_16_bit_pattern(dtype)
     bad = bits[~torch.isfinite(bits.float())]
     assert len(bad) == (2048 if dtype == torch.float16 else 256)
     tensors = []
-    for i, value in enumerate(bad):
-        t = torch.ones(16, dtype=dtype)
-        t[i % 16] = value
-        tensors.append(t.to(device))
+
+    def planted(size: int, index: int, value) -> torch.Tensor:
+        t = torch.ones(size, dtype=dtype)
+        t[index] = value
+        return t.to(device)
+
+    tensors += [planted(16, (i + i // 16) % 16, value) for i, value in enumerate(bad)]
+    tensors += [planted(16, lane, value) for value in (math.inf, -math.inf, math.nan) for lane in range(16)]
+    # 4096 elements apart: the next vector of the same thread; 16384: the next loop iteration.
+    tensors += [planted(40000, i, math.nan) for i in (4096 + 3, 16384 + 2 * 4096 + 5, 39999)]
+    tensors.append(planted(2 * CHUNK + 5, 2 * CHUNK + 4, -math.inf))  # in the last, cut-off vector
+    view, _ = unaligned_view(CHUNK + 9, dtype, device, gen)
+    view[CHUNK // 2] = math.inf
+    tensors.append(view)
     finite = bits[torch.isfinite(bits.float())].to(device)
     for inv in (None, 0.5):  # read-only check, in place
         grads = [t.clone() for t in tensors] + [finite.clone()]
@@ -255,15 +267,19 @@ def test_every_non_finite_16_bit_pattern_is_found_in_every_lane(device, dtype):
         mixprec.non_finite_check_and_unscale_(grads, found, None if inv is None else scalar(inv, device),
                                               per_tensor_found=flags)
         assert found.item() == 1.0
-        assert flags[:-1].eq(1).all(), f"missed non-finite patterns: {bad[flags[:-1].cpu() != 1][:8]}"
+        missed = (flags[:-1] != 1).nonzero().flatten().tolist()
+        assert not missed, f"inv={inv}: tensors {missed[:8]} held inf/NaN but their flags stayed 0"
         assert flags[-1].item() == 0.0, "a finite pattern was taken for inf or NaN"
 
 
-@pytest.mark.parametrize("inv", [0.5, 2.0**-10, 1.0 / 1021.0], ids=["half", "2^-10", "not_pow2"])
+@pytest.mark.parametrize("inv", [0.5, 2.0**-10, 1.0 / 1021.0, 256.0],
+                         ids=["half", "2^-10", "not_pow2", "256_overflows"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_every_finite_16_bit_pattern_scales_in_place_like_torch(device, dtype, inv):
     # In place, 2-byte values are scaled two to a word and rounded back by a paired convert:
-    # every finite pattern (subnormals included) must come out as one fp32 product rounded once.
+    # every finite pattern (subnormals included) must come out as one fp32 product rounded once,
+    # overflowing to inf where that product does (a scale above 1: the loss scale fell below 1);
+    # the inputs are finite, so found_inf stays 0.
     bits = every_16_bit_pattern(dtype)
     x = bits[torch.isfinite(bits.float())]
     g = x.to(device, copy=True)  # a copy on the CPU too: x stays the reference's input
@@ -295,9 +311,9 @@ def test_portable_cpu_path_passes_the_exactness_tests():
     # inf/NaN tests of the unscale and the norm under it, in a fresh process (the choice is made
     # once per process).
     here = os.path.dirname(os.path.abspath(__file__))
-    selected = ("every_16_bit or rounds_to_nearest or equals_torch_amp or found_at_every_position or boundary_sizes"
-                " or into_out_of_another_dtype or matches_float64 or non_finite_propagates or nan_beats_inf"
-                " or is_deterministic")
+    selected = ("every_16_bit or 16_bit_pattern or rounds_to_nearest or equals_torch_amp or found_at_every_position"
+                " or boundary_sizes or into_out_of_another_dtype or matches_float64 or non_finite_propagates"
+                " or nan_beats_inf or is_deterministic")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(here, "test_loss_scale.py"),
            os.path.join(here, "test_norm.py"), "-k", f"cpu and ({selected})"]
     r = subprocess.run(cmd, env=dict(os.environ, MIXPREC_CPU_SIMD="0"), cwd=here, capture_output=True, text=True,
