@@ -105,7 +105,7 @@ def agree_found_inf_(found: Union[torch.Tensor, dict], process_group: Any = None
 _LOW = (torch.float16, torch.bfloat16)
 
 
-def mixed_precision_policy(opt_level: str = "O2", dtype: torch.dtype = torch.bfloat16):
+def mixed_precision_policy(opt_level: str = "O2", dtype: torch.dtype = torch.bfloat16, *, root: bool = True):
     """FSDP2's ``MixedPrecisionPolicy`` for an Apex opt level, the natural route to O2 under
     ``fully_shard``: the sharded parameters stay fp32 and are the master weights (the optimizer
     needs no ``master_weights``), FSDP2 casts them to ``dtype`` when it gathers them for the
@@ -115,6 +115,12 @@ def mixed_precision_policy(opt_level: str = "O2", dtype: torch.dtype = torch.bfl
     - ``"O2"``: parameters gathered in ``dtype``, inputs cast to ``dtype``, outputs to fp32,
       gradients reduced in fp32 (Apex's O2 with fp32 master weights and fp32 master gradients).
     - ``"O3"``: as O2, but gradients are also reduced in ``dtype``.
+
+    ``root=False`` gives the policy of the inner units (the blocks sharded before the whole
+    model): the same, but their outputs stay in ``dtype``. Only the model's own output is cast
+    to fp32, as Apex's O2 did; an inner unit that cast its output to fp32 would hand fp32
+    activations to the low-precision layers after it (a final LayerNorm, an LM head kept in the
+    root unit), which then fail on the mixed dtypes.
 
     O1 has no policy: keep the default one and run the forward under ``torch.autocast``. With
     ``dtype=torch.float16`` scale the loss with :class:`mixprec.GradScaler` (its found_inf is
@@ -131,8 +137,8 @@ def mixed_precision_policy(opt_level: str = "O2", dtype: torch.dtype = torch.bfl
     if opt_level == "O0":
         return MixedPrecisionPolicy()
     reduce_dtype = torch.float32 if opt_level == "O2" else dtype
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32,
-                                cast_forward_inputs=True)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype,
+                                output_dtype=torch.float32 if root else None, cast_forward_inputs=True)
 
 
 def has_dtensor_params(model: torch.nn.Module) -> bool:

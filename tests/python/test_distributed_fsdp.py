@@ -240,11 +240,68 @@ def test_fsdp2_amp_initialize_refuses_to_cast_a_sharded_model(seed):
         assert "mixed_precision_policy" in r["amp"] and r["unchanged"]
 
 
+class _Stack(torch.nn.Module):
+    """Residual blocks, then a LayerNorm and a head that stay in the root unit (a GPT's ln_f and
+    LM head): what the inner units hand over must be in the low dtype."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)) for _ in range(2))
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(x))
+
+
+def _root_and_inner_rank(rank, world, device, seed):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Stack(seed).to(device)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mixed_precision_policy("O2", torch.bfloat16, root=False))
+    fully_shard(model, mp_policy=mixed_precision_policy("O2", torch.bfloat16))
+    seen = {}
+
+    def note_input(module, args):  # returns None: the input goes on unchanged
+        seen.setdefault("norm_input", args[0].dtype)
+
+    model.norm.register_forward_pre_hook(note_input)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    losses = []
+    x, y = shard_of(make_batches(seed, 1, world)[0], rank, world, device)
+    for _ in range(5):  # one batch again and again: its loss must fall
+        opt.zero_grad()
+        out = model(x)
+        loss = loss_fn(out, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"norm_input": seen["norm_input"], "out": out.dtype, "losses": losses,
+            "params": {p.dtype for p in model.parameters()}}
+
+
+def test_docs_fsdp2_recipe_root_and_inner_policies(seed):
+    # docs/distributed.md's O2 recipe on a model with layers after its blocks: the blocks' outputs
+    # stay bf16 into the root's LayerNorm (an fp32 output there failed: "mixed dtype"), the model's
+    # output is fp32, the sharded params stay fp32 (the masters), and training runs.
+    for r in run_ranks(_root_and_inner_rank, seed):
+        assert r["norm_input"] == torch.bfloat16 and r["out"] == torch.float32
+        assert r["params"] == {torch.float32}
+        assert all(math.isfinite(v) for v in r["losses"]) and r["losses"][-1] < r["losses"][0]
+
+
 def test_mixed_precision_policy_maps_opt_levels():
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     o2 = mixed_precision_policy("O2", torch.float16)
     assert (o2.param_dtype, o2.reduce_dtype, o2.output_dtype) == (torch.float16, torch.float32, torch.float32)
+    inner = mixed_precision_policy("O2", torch.float16, root=False)
+    assert (inner.param_dtype, inner.reduce_dtype, inner.output_dtype) == (torch.float16, torch.float32, None)
     o3 = mixed_precision_policy("O3", torch.bfloat16)
     assert (o3.param_dtype, o3.reduce_dtype) == (torch.bfloat16, torch.bfloat16)
     assert mixed_precision_policy("O0") == MixedPrecisionPolicy()
