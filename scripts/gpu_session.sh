@@ -2,9 +2,11 @@
 # One batched session on a GPU machine (the H200 device tool): build for one architecture, run
 # every test including the CUDA ones, the benchmarks and a compute-sanitizer pass, logging under
 # $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
-#   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e]   (default: all)
+#   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e] [dist]   (default: all)
 #   env: TEST_PATHS, PYTEST_ARGS (tests); BENCH_SCRIPTS (bench: which of loss_scale optimizer cpp
-#   overhead xent grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); STEP_TIMEOUT
+#   overhead xent grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); DIST_ARGS
+#   (dist: the distributed CUDA tests, gloo ranks sharing the GPUs and NCCL on 2+, then
+#   benchmarks/e2e_distributed.py at 1 rank and at every GPU); STEP_TIMEOUT
 #   (s, per step). "grid" reruns loss_scale_ops.py with one block per chunk for persistent ops
 #   (MIXPREC_PERSISTENT_GRID=chunks), to compare with the default resident-sized grid.
 set -uo pipefail
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-steps=${*:-build cpp tests bench sanitize e2e}
+steps=${*:-build cpp tests bench sanitize e2e dist}
 PY=${PYTHON:-python3}
 ARCH=${MIXPREC_CUDA_ARCHITECTURES:-90}
 
@@ -67,4 +69,11 @@ if [[ $steps == *sanitize* ]]; then
 fi
 if [[ $steps == *e2e* ]]; then
   run e2e $PY benchmarks/e2e_gpt2.py --out "$OUT/e2e.json" ${E2E_ARGS:-}
+fi
+if [[ $steps == *dist* ]]; then
+  # NVLink multicast off in every rank (the lent machines lack it); the scripts set it too.
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  run dist bash -c "$PY -m pytest tests/python/test_distributed_ddp.py tests/python/test_distributed_fsdp.py \
+      -m cuda -q -rs -p no:cacheprovider -n 8 -p xdist; \
+    $PY benchmarks/e2e_distributed.py --out $OUT/e2e_distributed.json ${DIST_ARGS:-}"
 fi
