@@ -35,8 +35,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from e2e_phases import PhaseClock  # noqa: E402
-from e2e_variants import AmpTrainer, AutocastTrainer, Hyper, _fused_adam, _mixprec_scaler, _torch_adamw  # noqa: E402
-from gpt2_model import SIZES, Batches, build_model  # noqa: E402
+from e2e_variants import (AmpTrainer, AutocastTrainer, Hyper, fused_adam, mixprec_scaler,  # noqa: E402
+                         torch_adamw, torch_scaler, train)
+from gpt2_model import SIZES, Batches, build_model, weight_checksum  # noqa: E402
 
 #: NVLink multicast stays off in every rank: the lent GPU machines lack it (KINDS.md); spawned
 #: ranks inherit this process's environment, which is set before they start.
@@ -60,9 +61,9 @@ def make_trainer(wrap: str, variant: str, model, device: torch.device, hyper: Hy
     ddp_args = {"device_ids": [device.index]} if device.type == "cuda" else {}
     if wrap == "ddp":
         if variant == PEER:
-            return AutocastTrainer(DDP(model, **ddp_args), fp16, device, _torch_adamw(model, hyper),
-                                   torch.amp.GradScaler(device.type))
-        trainer = AmpTrainer(model, device, _fused_adam(model, hyper), "O2", fp16)
+            return AutocastTrainer(DDP(model, **ddp_args), fp16, device, torch_adamw(model, hyper),
+                                   torch_scaler(device))
+        trainer = AmpTrainer(model, device, fused_adam(model, hyper), "O2", fp16)
         trainer.model = DDP(trainer.model, **ddp_args)  # after amp.initialize, which casts in place
         return trainer
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -77,8 +78,8 @@ def make_trainer(wrap: str, variant: str, model, device: torch.device, hyper: Hy
         fully_shard(block, mp_policy=inner)
     fully_shard(model, mp_policy=root)
     if variant == PEER:
-        return AutocastTrainer(model, None, device, _torch_adamw(model, hyper), torch.amp.GradScaler(device.type))
-    return AutocastTrainer(model, None, device, _fused_adam(model, hyper), _mixprec_scaler(device))
+        return AutocastTrainer(model, None, device, torch_adamw(model, hyper), torch_scaler(device))
+    return AutocastTrainer(model, None, device, fused_adam(model, hyper), mixprec_scaler(device))
 
 
 def run_one(wrap: str, variant: str, rank: int, world: int, device: torch.device, args) -> dict:
@@ -93,30 +94,14 @@ def run_one(wrap: str, variant: str, rank: int, world: int, device: torch.device
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     clock = PhaseClock(device, n_total)
-    losses = []
-    for i in range(n_total):
-        clock.begin(i)
-        trainer.set_lr(hyper.lr_at(i, n_total))
-        losses.append(trainer.step(*batches.train(i), clock))
-    clock.finish()
+    losses = train(trainer, batches, hyper, clock)
     step_s = statistics.median(clock.step_seconds(first=args.warmup))
     row = {"step_s": step_s, "loss": float(torch.stack(losses[-min(5, n_total):]).float().mean()),
            "skipped": n_total - trainer.applied_steps()}
     if device.type == "cuda":
         row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    row["checksum"] = param_checksum(trainer.model)
+    row["checksum"] = weight_checksum(trainer.model)  # a collective under FSDP2: every rank calls it
     return row
-
-
-def param_checksum(model) -> float:
-    """The float64 sum of every parameter as the whole tensor: equal on every rank when the ranks
-    agree (an FSDP2 shard is gathered, a collective every rank takes part in)."""
-    total = 0.0
-    with torch.no_grad():
-        for p in model.parameters():
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            total += float(torch.sum(t, dtype=torch.float64))
-    return total
 
 
 def rank_main(rank: int, world: int, args, tmp: str) -> None:

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 from e2e_phases import PHASES, PhaseClock, medians, profile_steps  # noqa: E402
-from e2e_variants import VARIANTS, Hyper  # noqa: E402
+from e2e_variants import VARIANTS, Hyper, train  # noqa: E402
 from gpt2_model import SIZES, Batches, build_model, weight_checksum  # noqa: E402
 
 LONG_RUN_VARIANTS = "fp32,torch-fp16,mixprec-o2-fp16,mixprec-o2-bf16,mixprec-o2-fp16-xent"
@@ -79,13 +79,7 @@ def run_variant(name: str, size: str, batches: Batches, device: torch.device, ar
         row["setup_s"] = time.perf_counter() - t0
 
         clock = PhaseClock(device, n_total)
-        losses = []
-        for i in range(n_total):
-            clock.begin(i)
-            x, y = batches.train(i)
-            trainer.set_lr(hyper.lr_at(i, n_total))
-            losses.append(trainer.step(x, y, clock))
-        clock.finish()
+        losses = train(trainer, batches, hyper, clock)
         row["wall_ms"] = (time.perf_counter() - clock.host_marks[warmup][0]) / (n_total - warmup) * 1e3
         times = clock.step_seconds(first=warmup)
         row["ms"] = statistics.median(times) * 1e3

@@ -139,24 +139,36 @@ class AmpTrainer(Trainer):
         return self.amp.loss_scale()
 
 
-# ---- the variants ------------------------------------------------------------------------------
+def train(trainer: Trainer, batches, hyper: Hyper, clock: PhaseClock) -> list[torch.Tensor]:
+    """Runs ``clock.n_steps`` steps of ``trainer`` on ``batches`` with the schedule of ``hyper``,
+    marked on ``clock`` (finished: its times can be read); returns each step's loss on the device."""
+    losses = []
+    for i in range(clock.n_steps):
+        clock.begin(i)
+        trainer.set_lr(hyper.lr_at(i, clock.n_steps))
+        losses.append(trainer.step(*batches.train(i), clock))
+    clock.finish()
+    return losses
 
 
-def _torch_adamw(model, h: Hyper):
+# ---- the variants (the optimizer and scaler builders are shared with e2e_distributed.py) --------
+
+
+def torch_adamw(model, h: Hyper):
     return torch.optim.AdamW(param_groups(model, h.weight_decay), lr=h.lr, betas=h.betas, eps=h.eps, fused=True)
 
 
-def _fused_adam(model, h: Hyper):
+def fused_adam(model, h: Hyper):
     from mixprec.optimizers import FusedAdam
 
     return FusedAdam(param_groups(model, h.weight_decay), lr=h.lr, betas=h.betas, eps=h.eps, adam_w_mode=True)
 
 
-def _torch_scaler(device):
+def torch_scaler(device):
     return torch.amp.GradScaler(device.type)
 
 
-def _mixprec_scaler(device):
+def mixprec_scaler(device):
     import mixprec
 
     return mixprec.GradScaler(device.type)
@@ -181,15 +193,15 @@ def _autocast(dtype: Optional[str], opt, scaler=None):
 def _amp(level: str, dtype: str, fused_loss: bool = False):
     def make(model, device, h):
         model.fused_loss = fused_loss
-        return AmpTrainer(model, device, _fused_adam(model, h), level, DTYPES[dtype])
+        return AmpTrainer(model, device, fused_adam(model, h), level, DTYPES[dtype])
     return make
 
 
 VARIANTS = {v.name: v for v in (
-    Variant("fp32", "fp32", None, "fp32, TF32 matmuls; torch AdamW(fused=True)", _autocast(None, _torch_adamw)),
+    Variant("fp32", "fp32", None, "fp32, TF32 matmuls; torch AdamW(fused=True)", _autocast(None, torch_adamw)),
     Variant("torch-fp16", "fp16", None, "torch.autocast fp16 + torch GradScaler + AdamW(fused=True)",
-            _autocast("fp16", _torch_adamw, _torch_scaler)),
-    Variant("torch-bf16", "bf16", None, "torch.autocast bf16 + AdamW(fused=True)", _autocast("bf16", _torch_adamw)),
+            _autocast("fp16", torch_adamw, torch_scaler)),
+    Variant("torch-bf16", "bf16", None, "torch.autocast bf16 + AdamW(fused=True)", _autocast("bf16", torch_adamw)),
     Variant("mixprec-o2-fp16", "fp16", "torch-fp16", "mixprec amp O2 fp16, FusedAdam(adam_w_mode) with fp32 masters",
             _amp("O2", "fp16")),
     Variant("mixprec-o2-bf16", "bf16", "torch-bf16", "mixprec amp O2 bf16, FusedAdam(adam_w_mode) with fp32 masters",
@@ -205,7 +217,7 @@ VARIANTS = {v.name: v for v in (
     Variant("mixprec-o1-fp16", "fp16", "torch-fp16", "mixprec amp O1 fp16 (autocast), FusedAdam", _amp("O1", "fp16")),
     Variant("mixprec-o1-bf16", "bf16", "torch-bf16", "mixprec amp O1 bf16 (autocast), FusedAdam", _amp("O1", "bf16")),
     Variant("mixprec-scaler-fp16", "fp16", "torch-fp16", "torch.autocast fp16 + mixprec GradScaler + FusedAdam",
-            _autocast("fp16", _fused_adam, _mixprec_scaler)),
+            _autocast("fp16", fused_adam, mixprec_scaler)),
     Variant("mixprec-adam-bf16", "bf16", "torch-bf16", "torch.autocast bf16 + mixprec FusedAdam",
-            _autocast("bf16", _fused_adam)),
+            _autocast("bf16", fused_adam)),
 )}

@@ -145,9 +145,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def weight_checksum(model: nn.Module) -> float:
-    """The float64 sum of every parameter: equal across variants iff they start from equal weights."""
+    """The float64 sum of every parameter: equal across variants iff they start from equal weights,
+    and across ranks iff they hold equal weights (an FSDP2 DTensor is summed whole: gathering it
+    is a collective every rank takes part in)."""
     with torch.no_grad():
-        return float(sum(torch.sum(p, dtype=torch.float64) for p in model.parameters()))
+        return float(sum(torch.sum(p.full_tensor() if hasattr(p, "full_tensor") else p, dtype=torch.float64)
+                         for p in model.parameters()))
 
 
 class SyntheticLanguage:
