@@ -84,6 +84,7 @@ def run_variant(name: str, size: str, batches: Batches, device: torch.device, ar
         times = clock.step_seconds(first=warmup)
         row["ms"] = statistics.median(times) * 1e3
         row["min_ms"] = min(times) * 1e3
+        row["step_ms"] = [round(t * 1e3, 3) for t in times]  # every timed step: shows a bimodal loop
         row["tok_s"] = cfg.tokens_per_step / statistics.median(times)
         row["phases_ms"] = dict(zip(PHASES, (t * 1e3 for t in medians(clock.phase_seconds(first=warmup)))))
         row["host_ms"] = sum(medians(clock.enqueue[warmup:])) * 1e3  # Python + launches per step, unsynced
@@ -240,6 +241,13 @@ def print_tables(rows: list[dict], profile: bool) -> None:
             print("by kind (ms/step): " + ", ".join(f"{k} {v:.2f}" for k, v in p["kinds_ms"].items()))
             for name, ms in p["top_kernels_ms"]:
                 print(f"  {ms:8.3f} ms  {name}")
+        u = p.get("unsynced")
+        if u:
+            print(f"unsynced under the profiler: step {u['step_ms']:.2f} ms, kernels {u['busy_ms']:.2f} ms, device idle "
+                  f"{u['idle_ms']:.2f} ms in {u['gaps_over_20us']:.0f} gaps over 20 us per step; largest gaps (us, "
+                  "kernel before -> after):")
+            for us, before, after in u["top_gaps"]:
+                print(f"  {us:8.1f}  {before} -> {after}")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -318,7 +326,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     rows: list[dict] = []
     for size in args.size_list:
         cfg = SIZES[size]
-        extra = 2 * args.profile_steps if args.profile else 0
+        extra = 3 * args.profile_steps if args.profile else 0
         batches = Batches(cfg, n_total + extra, device, args.seed)
         # Repeats interleaved, so that a slow stretch of the machine falls on every variant alike.
         for repeat in range(args.repeats):

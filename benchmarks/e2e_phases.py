@@ -177,11 +177,38 @@ def attribute(events, n_steps: int) -> dict:
             "top_kernels_ms": [(name[:110], per_step(us)) for name, us in top]}
 
 
+def device_gaps(events, n_steps: int, top: int = 8) -> dict:
+    """The device's idle time between its kernels (and copies) over an unsynchronized run of
+    `n_steps` steps, in ms per step, with the largest gaps and the kernels on either side: where a
+    GPU-bound loop still waits for the host. Overlapping kernels (other streams) count once."""
+    work = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if _is_device_work(e))
+    if not work:
+        return {"span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "top_gaps": []}
+    gaps = []
+    busy = 0.0
+    cur_start, cur_end, cur_name = work[0]
+    for start, end, name in work[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gaps.append((start - cur_end, cur_name, name))
+            cur_start, cur_end, cur_name = start, end, name
+        elif end > cur_end:
+            cur_end, cur_name = end, name
+    busy += cur_end - cur_start
+    span = work[-1][1] - work[0][0]
+    gaps.sort(key=lambda g: -g[0])
+    return {"span_ms": span / 1e3 / n_steps, "busy_ms": busy / 1e3 / n_steps,
+            "idle_ms": (span - busy) / 1e3 / n_steps, "gaps_over_20us": sum(1 for g in gaps if g[0] > 20) / n_steps,
+            "top_gaps": [(round(us, 1), before[:60], after[:60]) for us, before, after in gaps[:top]]}
+
+
 def profile_steps(step: Callable[[int, PhaseClock], object], device: torch.device, first_step: int,
                   n_steps: int, trace_path: Optional[str] = None) -> dict:
-    """Runs `n_steps` steps twice with a device sync after every phase: once plain (host enqueue
-    and wall time per phase), once under torch.profiler (device busy time per phase, by kernel
-    kind, top kernels). `step(i, clock)` runs training step i, marking the phases on `clock`.
+    """Runs `n_steps` steps three times: twice with a device sync after every phase, once plain
+    (host enqueue and wall time per phase) and once under torch.profiler (device busy time per
+    phase, by kernel kind, top kernels); then once unsynced under torch.profiler (the device's idle
+    gaps in the loop as timed: device_gaps). `step(i, clock)` runs training step i, marking the
+    phases on `clock`.
 
     Per phase: wall (ms, synchronized), host (ms spent enqueueing: near wall means the host is
     the bottleneck), busy (ms of kernels), and idle = wall - busy (launch gaps, syncs, Python).
@@ -209,6 +236,16 @@ def profile_steps(step: Callable[[int, PhaseClock], object], device: torch.devic
     if trace_path:
         prof.export_chrome_trace(trace_path)
     summary = attribute(prof.events(), n_steps)
+    # The loop as timed (no syncs): what the device waits for between kernels. The profiler's own
+    # per-launch cost inflates host-bound gaps a little; compare variants within one run.
+    free = PhaseClock(device, n_steps)
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(n_steps):
+            free.begin(i)
+            step(first_step + 2 * n_steps + i, free)
+        free.finish()
+    result["unsynced"] = device_gaps(prof.events(), n_steps)
+    result["unsynced"]["step_ms"] = statistics.median(free.step_seconds()) * 1e3
     for p in PHASES:
         ph = result["phases"][p]
         ph["busy_ms"] = summary["phase_busy_ms"][p]

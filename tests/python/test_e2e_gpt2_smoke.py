@@ -18,7 +18,7 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 sys.path.insert(0, os.path.abspath(BENCH))
 
 import e2e_gpt2  # noqa: E402
-from e2e_phases import PHASES, attribute, kernel_kind  # noqa: E402
+from e2e_phases import PHASES, attribute, device_gaps, kernel_kind  # noqa: E402
 
 
 def run_script(tmp_path, *args: str) -> dict:
@@ -109,6 +109,30 @@ def test_attribution_by_phase_range():
     assert s["top_kernels_ms"][0][1] == pytest.approx(0.04)
 
 
+def test_device_gaps_merge_overlaps_and_rank_the_waits():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(name, start, end, device=cuda):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               is_user_annotation=False)
+
+    events = [
+        ev("gemm_a", 0, 100), ev("side_stream", 50, 120),  # overlapping: one busy stretch 0-120
+        ev("aten::addmm", 100, 400, cpu),  # host time is not device time
+        ev("layer_norm", 150, 200),  # a 30 us gap after side_stream
+        ev("adam", 210, 300),  # 10 us
+        ev("embedding", 400, 500),  # 100 us
+    ]
+    g = device_gaps(events, n_steps=2)
+    assert g["span_ms"] == pytest.approx(0.25)  # 500 us over two steps
+    assert g["busy_ms"] == pytest.approx((120 + 50 + 90 + 100) / 2e3)
+    assert g["idle_ms"] == pytest.approx(140 / 2e3)
+    assert g["gaps_over_20us"] == 1.0  # two of them in two steps
+    assert g["top_gaps"] == [(100.0, "adam", "embedding"), (30.0, "side_stream", "layer_norm"),
+                             (10.0, "layer_norm", "adam")]
+    assert device_gaps([ev("aten::mm", 0, 5, cpu)], n_steps=1)["idle_ms"] == 0.0
+
+
 @pytest.mark.parametrize("name, kind", [
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", "optimizer"),
     ("void at::native::amp_update_scale_cuda_kernel(float*, int*, float const*)", "loss scaling"),
@@ -196,3 +220,6 @@ def test_cuda_tiny_every_variant_with_profile(tmp_path):
         assert p["busy_ms"] > 0 and p["phases"]["forward"]["busy_ms"] > 0, name
         assert p["phases"]["optimizer"]["busy_ms"] > 0, name
         assert p["unattributed_busy_ms"] < 0.1 * p["busy_ms"], (name, p)
+        u = p["unsynced"]
+        assert 0 < u["busy_ms"] <= u["span_ms"] and u["idle_ms"] == pytest.approx(u["span_ms"] - u["busy_ms"]), name
+        assert u["step_ms"] > 0 and len(u["top_gaps"]) > 0, name
