@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import tempfile
 import time
@@ -69,7 +70,7 @@ def run_ranks(fn: Callable, *args: Any, backend: str = "gloo", device: str = "cp
     world = world_size(backend, device)
     if device == "cpu":
         # DDP's forward imports torch._dynamo (seconds): once here, every forked rank inherits it.
-        import torch._dynamo  # noqa: F401
+        importlib.import_module("torch._dynamo")  # (an `import torch._dynamo` here would make torch a local)
     old_env = {k: os.environ.get(k) for k in CHILD_ENV}
     os.environ.update(CHILD_ENV)  # spawned children start from the parent's environment
     try:
