@@ -289,7 +289,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     bad = [s for s in args.size_list if s not in SIZES]
     if bad or not args.size_list:
         parser.error(f"--sizes: unknown size(s) {bad}; choose from {', '.join(SIZES)}")
-    variants = args.variants or (LONG_RUN_VARIANTS if args.long_run else ",".join(VARIANTS))
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    every = ",".join(name for name, v in VARIANTS.items() if on_cuda or not v.cuda_only)
+    variants = args.variants or (LONG_RUN_VARIANTS if args.long_run else every)
     args.variant_list = [v.strip() for v in variants.split(",") if v.strip()]
     bad = [v for v in args.variant_list if v not in VARIANTS]
     if bad or not args.variant_list:

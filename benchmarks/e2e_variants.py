@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from e2e_phases import PhaseClock
+from e2e_phases import PHASES, PhaseClock
 from gpt2_model import GPT, param_groups
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -57,8 +57,15 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, clock: PhaseClock) -> torch.Tensor:
+    def body(self, x: torch.Tensor, y: torch.Tensor, clock) -> torch.Tensor:
+        """Forward, backward and optimizer step, marking forward, backward and loss_scale."""
         raise NotImplementedError
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, clock: PhaseClock) -> torch.Tensor:
+        loss = self.body(x, y, clock)
+        self.optimizer.zero_grad(set_to_none=True)
+        clock.mark("optimizer")
+        return loss
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -90,7 +97,7 @@ class AutocastTrainer(Trainer):
         super().__init__(model, autocast, device)
         self.optimizer, self.scaler = optimizer, scaler
 
-    def step(self, x, y, clock):
+    def body(self, x, y, clock):
         with self._ctx():
             loss = self.model(x, y)
         clock.mark("forward")
@@ -102,8 +109,6 @@ class AutocastTrainer(Trainer):
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        clock.mark("optimizer")
         return loss.detach()
 
     def loss_scale(self):
@@ -123,7 +128,7 @@ class AmpTrainer(Trainer):
         super().__init__(model, None, device)
         self.optimizer = optimizer
 
-    def step(self, x, y, clock):
+    def body(self, x, y, clock):
         loss = self.model(x, y)
         clock.mark("forward")
         with self.amp.scale_loss(loss, self.optimizer) as scaled:
@@ -131,12 +136,77 @@ class AmpTrainer(Trainer):
             clock.mark("backward")
         clock.mark("loss_scale")  # scale_loss's exit: the non-finite check and the scale update
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        clock.mark("optimizer")
         return loss.detach()
 
     def loss_scale(self):
         return self.amp.loss_scale()
+
+
+class _NoMarks:
+    """A clock for a step being captured: nothing may be recorded between its kernels."""
+
+    def mark(self, phase: str) -> None:
+        pass
+
+
+class GraphedTrainer(Trainer):
+    """Another trainer's step captured in one CUDA graph and replayed.
+
+    Eager PyTorch issues a large GPT-2 step as thousands of launches; once O2 has made the
+    kernels short enough (50.5 ms of them on large, H200) the host's issuing (15-17 ms for the
+    forward alone) sets the pace. A replay is one launch. Capture needs a step that never waits
+    for the host, which mixprec's amp, GradScaler and optimizers are built to be (and torch's
+    GradScaler with a fused, capturable AdamW), and an lr the kernels read from the device:
+    set_lr fills a tensor. The first WARMUP steps run eagerly on a side stream (lazy state,
+    cuBLAS workspaces); the next step is captured, then replayed on a copy of each batch. The
+    phases cannot be told apart inside a replay: the whole step is marked as "forward"."""
+
+    WARMUP = 3
+
+    def __init__(self, inner: Trainer):
+        if inner.device.type != "cuda":
+            raise RuntimeError("GraphedTrainer: CUDA graphs need a CUDA device")
+        super().__init__(inner.model, inner.autocast, inner.device)
+        self.inner, self.optimizer = inner, inner.optimizer
+        for group in self.optimizer.param_groups:  # read by the captured kernels, refilled by set_lr
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=inner.device)
+            if "capturable" in group:  # torch's optimizers refuse a capture without it
+                group["capturable"] = True
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.eager_steps = 0
+        self.static: tuple = ()
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"].fill_(lr)
+
+    def step(self, x, y, clock):
+        if self.graph is None and self.eager_steps < self.WARMUP:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self.inner.body(x, y, _NoMarks())
+                self.optimizer.zero_grad(set_to_none=True)  # None before the capture: see below
+            torch.cuda.current_stream().wait_stream(side)
+            self.eager_steps += 1
+        else:
+            if self.graph is None:
+                # Gradients are None here, so the captured backward writes them (not accumulates)
+                # into tensors of the graph's pool, which every replay rewrites.
+                self.static = (x.clone(), y.clone())
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.static_loss = self.inner.body(*self.static, _NoMarks())
+            self.static[0].copy_(x)
+            self.static[1].copy_(y)
+            self.graph.replay()
+            loss = self.static_loss.clone()  # the next replay overwrites static_loss
+        for phase in PHASES:
+            clock.mark(phase)
+        return loss
+
+    def loss_scale(self):
+        return self.inner.loss_scale()
 
 
 def train(trainer: Trainer, batches, hyper: Hyper, clock: PhaseClock) -> list[torch.Tensor]:
@@ -181,6 +251,7 @@ class Variant:
     peer: Optional[str]  # the torch variant of the same dtype its ratios are taken against
     about: str
     make: Callable[[GPT, torch.device, Hyper], Trainer]
+    cuda_only: bool = False  # not in the default list on the CPU
 
 
 def _autocast(dtype: Optional[str], opt, scaler=None):
@@ -197,6 +268,12 @@ def _amp(level: str, dtype: str, fused_loss: bool = False):
     return make
 
 
+def _graphed(make_inner):
+    def make(model, device, h):
+        return GraphedTrainer(make_inner(model, device, h))
+    return make
+
+
 VARIANTS = {v.name: v for v in (
     Variant("fp32", "fp32", None, "fp32, TF32 matmuls; torch AdamW(fused=True)", _autocast(None, torch_adamw)),
     Variant("torch-fp16", "fp16", None, "torch.autocast fp16 + torch GradScaler + AdamW(fused=True)",
@@ -210,6 +287,12 @@ VARIANTS = {v.name: v for v in (
             "(fp32 softmax math, no fp32 copy of the logits)", _amp("O2", "fp16", fused_loss=True)),
     Variant("mixprec-o2-bf16-xent", "bf16", "torch-bf16", "mixprec-o2-bf16 with the loss by mixprec.cross_entropy",
             _amp("O2", "bf16", fused_loss=True)),
+    Variant("torch-fp16-graph", "fp16", "torch-fp16", "torch-fp16 with its step captured in a CUDA graph and "
+            "replayed (AdamW capturable)", _graphed(_autocast("fp16", torch_adamw, torch_scaler)), cuda_only=True),
+    Variant("mixprec-o2-fp16-graph", "fp16", "torch-fp16", "mixprec-o2-fp16 with its step captured in a CUDA graph "
+            "and replayed: no host launches left", _graphed(_amp("O2", "fp16")), cuda_only=True),
+    Variant("mixprec-o2-fp16-xent-graph", "fp16", "torch-fp16", "mixprec-o2-fp16-xent in a CUDA graph",
+            _graphed(_amp("O2", "fp16", fused_loss=True)), cuda_only=True),
     Variant("mixprec-o3-fp16", "fp16", "torch-fp16", "mixprec amp O3 fp16 (pure fp16, no masters, loss scale 1 as "
             "Apex's O3), FusedAdam", _amp("O3", "fp16")),
     Variant("mixprec-o3-bf16", "bf16", "torch-bf16", "mixprec amp O3 bf16 (pure bf16, no masters), FusedAdam",
