@@ -39,7 +39,8 @@ def _train(dtype: torch.dtype, graphed: bool) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.LayerNorm(64),
                                 torch.nn.Linear(64, 4)).to(device)
     opt = FusedAdam(model.parameters(), lr=_lr(0), weight_decay=0.01, adam_w_mode=True)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    # Dynamic scaling in bf16 too (its default is a static 1.0): the skip and the halving run.
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, loss_scale="dynamic", verbosity=0)
     for group in opt.param_groups:
         group["lr"] = torch.tensor(_lr(0), device=device)
     initial = [p.detach().float().clone() for p in model.parameters()]
