@@ -127,15 +127,39 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), y)
 
 
+def gather_full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value on every rank (a collective), or ``t`` itself. Over gloo the
+    shards are gathered from CPU copies: torch's functional collectives, which full_tensor()
+    uses, crash the process with SIGSEGV on gloo with CUDA tensors (torch 2.11, H200; plain
+    FSDP2, no mixprec: tmp repro of 2026-12-03), though c10d's own collectives work there."""
+    if not hasattr(t, "full_tensor"):
+        return t
+    if t.device.type == "cuda" and torch.distributed.get_backend() == "gloo":
+        return gather_full_through_cpu(t).to(t.device)
+    return t.full_tensor()
+
+
+_cpu_meshes: dict = {}
+
+
+def gather_full_through_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t.full_tensor()`` computed on a CPU copy of the local shard over a CPU mesh of the same
+    ranks (made once per mesh: a mesh can create process groups, which every rank must do alike)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    ranks = t.device_mesh.mesh.cpu()
+    key = tuple(ranks.flatten().tolist()), tuple(ranks.shape)
+    if key not in _cpu_meshes:
+        _cpu_meshes[key] = DeviceMesh("cpu", ranks)
+    on_cpu = DTensor.from_local(t.to_local().cpu(), _cpu_meshes[key], t.placements, run_check=False,
+                                shape=t.shape, stride=t.stride())
+    return on_cpu.full_tensor()
+
+
 def full_params(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every parameter as a whole fp32 CPU tensor (DTensor shards gathered: a collective)."""
-    out = []
-    for p in model.parameters():
-        t = p.detach()
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        out.append(t.float().cpu().clone())
-    return out
+    return [gather_full(p.detach()).float().cpu().clone() for p in model.parameters()]
 
 
 def rel_update_err(got: list[torch.Tensor], ref: list[torch.Tensor], start: list[torch.Tensor]) -> float:

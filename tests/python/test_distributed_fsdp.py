@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import mixprec
-from dist_support import BACKENDS, full_params, loss_fn, make_batches, make_model, rel_update_err, run_ranks, shard_of
+from dist_support import (BACKENDS, full_params, gather_full, loss_fn, make_batches, make_model, rel_update_err,
+                          run_ranks, shard_of)
 from mixprec import amp
 from mixprec.distributed import LOCAL, CheckpointState, mixed_precision_policy
 from mixprec.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
@@ -91,7 +92,7 @@ def _fsdp_rank(rank, world, device, mode, kind, dtype, seed, inject, local):
     model, opt, scaler = _build(mode, kind, dtype, seed, device, local)
     snapshots = []
     _train(model, opt, scaler, make_batches(seed, STEPS, world), range(STEPS), rank, world, device, inject, snapshots)
-    masters = [opt.state[p]["master_param"].full_tensor() for p in model.parameters()] if mode == "masters" else None
+    masters = [gather_full(opt.state[p]["master_param"]).cpu() for p in model.parameters()] if mode == "masters" else None
     return {"snapshots": snapshots, "masters": masters, "layout": _state_layout(opt, model[0].weight),
             "skipped": scaler.skipped_steps if scaler else 0, "scale": scaler.get_scale() if scaler else 1.0}
 
@@ -200,13 +201,13 @@ def _dcp_rank(rank, world, device, mode, kind, dtype, seed, path):
     model, opt, scaler = _build(mode, kind, dtype, seed, device)
     _train(model, opt, scaler, batches, [0, 1], rank, world, device)
     dcp.save({"train": CheckpointState(model, opt, scaler)}, checkpoint_id=path)
-    masters = [opt.state[p]["master_param"].full_tensor() for p in model.parameters()] if mode == "masters" else []
+    masters = [gather_full(opt.state[p]["master_param"]) for p in model.parameters()] if mode == "masters" else []
     _train(model, opt, scaler, batches, [2, 3], rank, world, device)
     run_a = full_params(model)
 
     model, opt, scaler = _build(mode, kind, dtype, seed, device)
     dcp.load({"train": CheckpointState(model, opt, scaler)}, checkpoint_id=path)
-    loaded = [opt.state[p]["master_param"].full_tensor() for p in model.parameters()] if mode == "masters" else []
+    loaded = [gather_full(opt.state[p]["master_param"]) for p in model.parameters()] if mode == "masters" else []
     _train(model, opt, scaler, batches, [2, 3], rank, world, device)
     return {"a": run_a, "b": full_params(model), "masters": (masters, loaded)}
 
@@ -392,7 +393,7 @@ def _fused_on_shards_vs_whole(mesh, g, device, op):
     worst = 0.0
     for key, wants in whole.items():
         for got, want in zip(shards[key], wants):
-            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            got = gather_full(got)
             scale = float(want.double().norm()) or 1.0
             worst = max(worst, float((got.double() - want.double()).norm()) / scale)
     return worst
