@@ -4,7 +4,7 @@
 # $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
 #   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e] [dist]   (default: all)
 #   env: TEST_PATHS, PYTEST_ARGS (tests); BENCH_SCRIPTS (bench: which of loss_scale optimizer cpp
-#   overhead xent grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); DIST_ARGS
+#   overhead xent layers grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); DIST_ARGS
 #   (dist: the distributed CUDA tests, gloo ranks sharing the GPUs and NCCL on 2+, then
 #   benchmarks/e2e_distributed.py at 1 rank and at every GPU); STEP_TIMEOUT
 #   (s, per step). "grid" reruns loss_scale_ops.py with one block per chunk for persistent ops
@@ -53,13 +53,14 @@ if [[ $steps == *tests* ]]; then
 fi
 if [[ $steps == *bench* ]]; then
   # One log for every benchmark: the device tool returns at most 8 files.
-  scripts=${BENCH_SCRIPTS:-loss_scale optimizer cpp overhead xent}
+  scripts=${BENCH_SCRIPTS:-loss_scale optimizer cpp overhead xent layers}
   run bench bash -c "
     [[ '$scripts' == *loss_scale* ]] && $PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops.json
     [[ '$scripts' == *grid* ]] && MIXPREC_PERSISTENT_GRID=chunks $PY benchmarks/loss_scale_ops.py --out $OUT/loss_scale_ops_chunks.json
     [[ '$scripts' == *optimizer* ]] && $PY benchmarks/optimizer_step.py --out $OUT/optimizer_step.json ${BENCH_OPT_ARGS:-}
     [[ '$scripts' == *cpp* && -x /tmp/mixprec-cppbench/adamw_step ]] && /tmp/mixprec-cppbench/adamw_step && /tmp/mixprec-cppbench/adamw_step --o2
     [[ '$scripts' == *xent* ]] && $PY benchmarks/cross_entropy.py --out $OUT/cross_entropy.json
+    [[ '$scripts' == *layers* ]] && $PY benchmarks/layer_kernels.py --out $OUT/layer_kernels.json
     [[ '$scripts' == *overhead* && -f benchmarks/amp_overhead.py ]] && $PY benchmarks/amp_overhead.py --profile --out $OUT/amp_overhead.json
     true"
 fi

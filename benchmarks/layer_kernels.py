@@ -1,0 +1,147 @@
+"""Where torch's own layer kernels stand against the copy bandwidth on GPT-2's shapes: the bias
+gradient of each Linear (a column sum of the output gradient) and LayerNorm forward and backward,
+with other formulations of the bias gradient beside torch's. Issue 7's profile of O2 on GPT-2
+large (benchmarks/RESULTS.md) put those kernels at 2.4 ms (bias gradients, 145 calls) and 2.9 ms
+(LayerNorm) a step; this says how far each is from what it must move, before anything is built.
+
+    python benchmarks/layer_kernels.py                    # CUDA if available, else CPU
+    python benchmarks/layer_kernels.py --device cpu --quick
+
+Every candidate is checked against a float64 sum before it is timed; "rel err" is its error
+against that sum, beside the error of torch's own sum(0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from gpt2_model import SIZES  # noqa: E402
+
+#: A candidate bias gradient may be at most this many times torch's error (and 1e-2 relative).
+ERROR_FACTOR = 4.0
+TWO_STAGE_SPLIT = 64
+
+
+def bias_widths(size: str) -> list[tuple[str, int, int]]:
+    """(layer, output width, calls per step) of the model's biased Linears."""
+    cfg = SIZES[size]
+    c = cfg.n_embd
+    n = cfg.n_layer
+    return [("attn.c_attn", 3 * c, n), ("attn.c_proj", c, n), ("mlp.c_fc", 4 * c, n), ("mlp.c_proj", c, n)]
+
+
+def candidates(rows: int) -> dict:
+    """Ways to compute grad.sum(0) for a [rows, N] gradient, keyed by name."""
+    def gemv(g):
+        ones = torch.ones(1, rows, dtype=g.dtype, device=g.device)
+        return torch.mm(ones, g).view(-1)
+
+    def two_stage(g):
+        return g.view(TWO_STAGE_SPLIT, rows // TWO_STAGE_SPLIT, g.shape[1]).sum(1).sum(0)
+
+    out = {"torch sum(0)": lambda g: g.sum(0), "ones @ grad (cuBLAS)": gemv}
+    if rows % TWO_STAGE_SPLIT == 0:
+        out[f"view({TWO_STAGE_SPLIT}, -1, N).sum(1).sum(0)"] = two_stage
+    return out
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(got.double() - ref) / torch.linalg.vector_norm(ref))
+
+
+def bench_bias_grads(size: str, rows: int, dtype: torch.dtype, device, copy, runs, warmup) -> list[dict]:
+    out = []
+    for layer, width, calls in bias_widths(size):
+        grads = [torch.randn(rows, width, dtype=dtype, device=device) for _ in range(2)]  # rotated: no L2 reuse
+        ref = grads[0].double().sum(0)
+        fns = candidates(rows)
+        errs = {name: rel_err(fn(grads[0]), ref) for name, fn in fns.items()}
+        bound = max(ERROR_FACTOR * errs["torch sum(0)"], 1e-6)
+        for name, e in errs.items():
+            if not e <= min(bound, 1e-2):
+                raise SystemExit(f"layer_kernels: {name} on [{rows}, {width}] {dtype}: error {e:.3g} against "
+                                 f"float64 exceeds {min(bound, 1e-2):.3g} (torch's own: {errs['torch sum(0)']:.3g})")
+        timings = common.time_many(fns, device, runs=runs, warmup=warmup,
+                                   arg_sets={name: [(g,) for g in grads] for name in fns})
+        nbytes = rows * width * grads[0].element_size()
+        for name, t in timings.items():
+            bw, pct = common.achieved(nbytes, t.median, copy)
+            out.append({"size": size, "dtype": str(dtype).replace("torch.", ""), "kernel": f"bias grad {layer}",
+                        "shape": f"{rows}x{width}", "candidate": name, "us": t.median * 1e6, "pct_copy": pct,
+                        "rel_err": errs[name], "calls": calls, "ms_per_step": t.median * calls * 1e3})
+    return out
+
+
+def bench_layer_norm(size: str, rows: int, dtype: torch.dtype, device, copy, runs, warmup) -> list[dict]:
+    cfg = SIZES[size]
+    width, calls = cfg.n_embd, 2 * cfg.n_layer + 1
+    xs = [torch.randn(rows, width, dtype=dtype, device=device) for _ in range(2)]
+    dys = [torch.randn_like(x) for x in xs]
+    weight = torch.ones(width, dtype=dtype, device=device, requires_grad=True)
+    bias = torch.zeros(width, dtype=dtype, device=device, requires_grad=True)
+
+    def forward(x, dy):
+        return F.layer_norm(x, (width,), weight, bias)
+
+    def forward_backward(x, dy):
+        x = x.detach().requires_grad_(True)
+        torch.autograd.grad(F.layer_norm(x, (width,), weight, bias), (x, weight, bias), dy)
+
+    e = xs[0].element_size()
+    moved = {"forward": 2 * rows * width * e, "forward+backward": 5 * rows * width * e}  # bwd: x, dy in; dx out
+    fns = {"forward": forward, "forward+backward": forward_backward}
+    timings = common.time_many(fns, device, runs=runs, warmup=warmup,
+                               arg_sets={n: list(zip(xs, dys)) for n in fns})
+    out = []
+    for name, t in timings.items():
+        _, pct = common.achieved(moved[name], t.median, copy)
+        out.append({"size": size, "dtype": str(dtype).replace("torch.", ""), "kernel": f"layer_norm {name}",
+                    "shape": f"{rows}x{width}", "candidate": "torch", "us": t.median * 1e6, "pct_copy": pct,
+                    "rel_err": None, "calls": calls, "ms_per_step": t.median * calls * 1e3})
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_common_args(parser)
+    parser.add_argument("--sizes", default=None, help="comma list of small, large (default: both on CUDA; "
+                                                      "the CPU runs a quarter of small's rows)")
+    args = parser.parse_args(argv)
+    device = common.resolve_device(parser, args)
+    runs, warmup = common.resolve_runs(args)
+    sizes = [s.strip() for s in (args.sizes or "small,large").split(",") if s.strip()]
+    bad = [s for s in sizes if s not in ("small", "large")]
+    if bad:
+        parser.error(f"--sizes: unknown size(s) {bad}; choose from small, large")
+    env = common.environment(device)
+    copy = common.measure_copy_bandwidth(device)
+    unit, scale = common.bandwidth_units(device)
+    print(f"{common.device_label(env)} | torch {torch.__version__} | copy {copy.bytes_per_s / scale:.2f} {unit}")
+
+    rows_of = {s: SIZES[s].batch * SIZES[s].seq for s in sizes}
+    if device.type == "cpu":  # the CPU only checks that the script works: fewer rows
+        rows_of = {s: (256 if args.quick else 1024) for s in sizes}
+    results = []
+    for size in sizes:
+        for dtype in (torch.float16, torch.bfloat16):
+            results += bench_bias_grads(size, rows_of[size], dtype, device, copy, runs, warmup)
+            results += bench_layer_norm(size, rows_of[size], dtype, device, copy, runs, warmup)
+    rows = [dict(r, rel_err=f"{r['rel_err']:.2e}" if r["rel_err"] is not None else "-") for r in results]
+    print(common.format_table(rows, ["size", "dtype", "kernel", "shape", "candidate", "us", "pct_copy", "rel_err",
+                                     "calls", "ms_per_step"],
+                              ["size", "dtype", "kernel", "shape", "candidate", "us", "% copy", "rel err",
+                               "calls/step", "ms/step"]))
+    if args.out:
+        common.write_json(args.out, env, results, copy_bytes_per_s=copy.bytes_per_s)
+
+
+if __name__ == "__main__":
+    main()
