@@ -1,6 +1,7 @@
 """Where torch's own layer kernels stand against the copy bandwidth on GPT-2's shapes: the bias
 gradient of each Linear (a column sum of the output gradient) and LayerNorm forward and backward,
-with other formulations of the bias gradient beside torch's. Issue 7's profile of O2 on GPT-2
+with other formulations of the bias gradient beside torch's (mixprec.linear_bias_grad among
+them). Issue 7's profile of O2 on GPT-2
 large (benchmarks/RESULTS.md) put those kernels at 2.4 ms (bias gradients, 145 calls) and 2.9 ms
 (LayerNorm) a step; this says how far each is from what it must move, before anything is built.
 
@@ -46,7 +47,10 @@ def candidates(rows: int) -> dict:
     def two_stage(g):
         return g.view(TWO_STAGE_SPLIT, rows // TWO_STAGE_SPLIT, g.shape[1]).sum(1).sum(0)
 
-    out = {"torch sum(0)": lambda g: g.sum(0), "ones @ grad (cuBLAS)": gemv}
+    import mixprec
+
+    out = {"torch sum(0)": lambda g: g.sum(0), "mixprec.linear_bias_grad": mixprec.linear_bias_grad,
+           "ones @ grad (cuBLAS)": gemv}
     if rows % TWO_STAGE_SPLIT == 0:
         out[f"view({TWO_STAGE_SPLIT}, -1, N).sum(1).sum(0)"] = two_stage
     return out

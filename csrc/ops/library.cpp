@@ -59,6 +59,11 @@ TORCH_LIBRARY(mixprec, m) {
       "cross_entropy_backward(Tensor grad_losses, Tensor logits, Tensor target, Tensor lse, "
       "int ignore_index=-100) -> Tensor");
 
+  // ---- a Linear's bias gradient (kernels/bias_grad.*) -----------------------------------------
+  // grad [rows, out_features] contiguous fp32/fp16/bf16 -> [out_features] in grad's dtype: the
+  // rows summed in fp32, in a fixed order (the same result on every run), rounded once.
+  m.def("linear_bias_grad(Tensor grad) -> Tensor");
+
   // ---- fused optimizers (kernels/<family>.*) -------------------------------------------------
   // Shared by every family: params (any float dtype) are updated in place; with master_params
   // (fp32, one per param) the master is the weight and params receive its rounding, in the same

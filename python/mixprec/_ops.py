@@ -102,6 +102,18 @@ def multi_tensor_norm(
     return total, norms if per_tensor else norms.new_empty(0)
 
 
+def linear_bias_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The bias gradient of a Linear layer from its output gradient ``grad`` [..., out_features]
+    (float32, float16 or bfloat16, contiguous): ``grad`` summed over every dimension but the last,
+    accumulated in float32 in a fixed order (the same result on every run of a GPU model) and
+    rounded once to ``grad``'s dtype. Equals ``grad.reshape(-1, out_features).sum(0)`` up to
+    the order of the additions."""
+    if grad.dim() < 1:
+        raise ValueError("mixprec::linear_bias_grad: grad must have an out_features dimension, "
+                         "got a 0-dim tensor")
+    return _ops.linear_bias_grad(grad.reshape(-1, grad.shape[-1]) if grad.dim() != 2 else grad)
+
+
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies every tensor in place by the device scalar ``scale`` (e.g. a clip coefficient)."""
     (tensors,) = local_lists("scale_", (tensors,))

@@ -156,6 +156,20 @@ def inject_non_finite(t: torch.Tensor, where: str, value: float, gen: torch.Gene
 
 # ---- poisoning and bitwise comparison ----------------------------------------------------------
 
+@pytest.fixture
+def poisoned_empty():
+    """torch.empty fills new tensors with NaN (ints with their max) while this is on: an output
+    element a kernel forgets to write shows up as NaN, which a test's checks then reject. Use it
+    with ``pytestmark = pytest.mark.usefixtures("poisoned_empty")``."""
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
+    torch.utils.deterministic.fill_uninitialized_memory = prev[2]
+
+
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

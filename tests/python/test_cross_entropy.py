@@ -22,17 +22,7 @@ VOCABS = (1, 7, 8, 9, 511, 513, 1023, 1025, 4097)
 SCALE = 30.0  # logits spread like a trained LM's: most softmax mass on a few classes
 
 
-@pytest.fixture(autouse=True)
-def poisoned_empty():
-    """torch.empty fills new tensors with NaN (ints with their max) while this is on: an output
-    element a kernel forgets to write shows up as NaN, which every check below rejects."""
-    prev = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-            torch.utils.deterministic.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    yield
-    torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
-    torch.utils.deterministic.fill_uninitialized_memory = prev[2]
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
 
 def make_inputs(n, v, dtype, device, gen, scale=SCALE, ignore_index=-100, ignore_frac=0.0):

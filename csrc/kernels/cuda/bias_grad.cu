@@ -1,0 +1,106 @@
+// CUDA kernels of the bias gradient (kernels/bias_grad.h). Pass 1: a block owns a tile of columns
+// (32 lanes x one 16-byte vector each) and a split of the rows; 8 row groups of 32 lanes walk
+// the split's rows (each warp reads 512 contiguous bytes of one row), their fp32 sums are added
+// in shared memory and written as the split's partials. Pass 2: one thread per column adds its
+// partials in split order and rounds once.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "kernels/bias_grad.h"
+#include "kernels/multi_tensor.cuh"
+
+namespace mixprec::kernels {
+namespace {
+
+constexpr int kLanes = 32;      // threads across a column tile
+constexpr int kRowGroups = 8;   // threads down the rows
+constexpr int kMaxVector = 8;   // elements in a 16-byte vector of 2-byte values
+constexpr int kMinRowsPerThread = 4;  // below this a thread's loads cannot hide the latency
+constexpr int kBlocksPerSM = 4;       // the grid pass 1 aims for
+
+template <typename T>
+__global__ void __launch_bounds__(kLanes* kRowGroups) bias_grad_partials_kernel(const BiasGradParams p, bool vec_ok) {
+  constexpr int V = vec_elems<T>();
+  const int lane = threadIdx.x, group = threadIdx.y;
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kLanes * V;
+  const int64_t col = tile + static_cast<int64_t>(lane) * V;
+  const int64_t per_split = (p.rows + p.splits - 1) / p.splits;
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * per_split;
+  const int64_t row_end = std::min<int64_t>(p.rows, row_begin + per_split);
+  const int n = static_cast<int>(p.cols);  // the ops tier keeps cols below 2^31
+  const T* g = static_cast<const T*>(p.grad);
+
+  float acc[V] = {};
+  if (col < p.cols) {
+#pragma unroll 4
+    for (int64_t r = row_begin + group; r < row_end; r += kRowGroups) {
+      float v[V];
+      load<T, V>(g + r * p.cols, col, n, vec_ok, v);  // zero past the last column
+#pragma unroll
+      for (int j = 0; j < V; ++j) acc[j] += v[j];
+    }
+  }
+  __shared__ float sums[kRowGroups][kLanes * kMaxVector];
+#pragma unroll
+  for (int j = 0; j < V; ++j) sums[group][lane * V + j] = acc[j];
+  __syncthreads();
+  const int t = group * kLanes + lane;  // the block's 256 threads cover the tile's kLanes * V columns
+  if (t < kLanes * V && tile + t < p.cols) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < kRowGroups; ++k) s += sums[k][t];
+    p.partials[static_cast<int64_t>(blockIdx.y) * p.cols + tile + t] = s;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads) bias_grad_finish_kernel(const BiasGradParams p) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= p.cols) return;
+  float s = 0.f;
+  for (int64_t k = 0; k < p.splits; ++k) s += p.partials[k * p.cols + c];
+  static_cast<T*>(p.out)[c] = from_float<T>(s);
+}
+
+int sm_count() {
+  int device = 0;
+  MIXPREC_CUDA_CHECK(cudaGetDevice(&device));
+  static int counts[256] = {};
+  if (device < 0 || device >= 256) throw std::runtime_error("mixprec: CUDA device index out of range");
+  if (counts[device] == 0)
+    MIXPREC_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  return counts[device];
+}
+
+int64_t column_tiles(DType dtype, int64_t cols) {
+  const int64_t per_tile = kLanes * (dtype == DType::kFloat32 ? 4 : 8);
+  return (cols + per_tile - 1) / per_tile;
+}
+
+}  // namespace
+
+int64_t bias_grad_cuda_splits(DType dtype, int64_t rows, int64_t cols) {
+  if (rows == 0 || cols == 0) return 1;
+  const int64_t want = (static_cast<int64_t>(kBlocksPerSM) * sm_count() + column_tiles(dtype, cols) - 1) /
+                       column_tiles(dtype, cols);
+  const int64_t most = std::max<int64_t>(1, rows / (kRowGroups * kMinRowsPerThread));
+  return std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 65535));  // gridDim.y's limit
+}
+
+void bias_grad_cuda(const BiasGradParams& p, Stream stream) {
+  if (p.cols == 0) return;
+  dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const bool vec_ok = reinterpret_cast<uintptr_t>(p.grad) % 16 == 0 && (p.cols * sizeof(T)) % 16 == 0;
+    const dim3 grid(static_cast<unsigned>(column_tiles(p.dtype, p.cols)), static_cast<unsigned>(p.splits));
+    bias_grad_partials_kernel<T><<<grid, dim3(kLanes, kRowGroups), 0, stream>>>(p, vec_ok);
+    MIXPREC_CUDA_CHECK(cudaGetLastError());
+    const auto blocks = static_cast<unsigned>((p.cols + kBlockThreads - 1) / kBlockThreads);
+    bias_grad_finish_kernel<T><<<blocks, kBlockThreads, 0, stream>>>(p);
+    MIXPREC_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+}  // namespace mixprec::kernels
