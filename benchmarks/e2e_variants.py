@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import types
 from typing import Callable, Optional
 
 import torch
@@ -268,6 +269,22 @@ def _amp(level: str, dtype: str, fused_loss: bool = False):
     return make
 
 
+def _mixprec_linears(make_inner):
+    """Every nn.Linear of the model through mixprec.linear: the same forward and GEMMs, the bias
+    gradient from mixprec.linear_bias_grad instead of torch's sum(0) (2.4 ms a step on large)."""
+    def make(model, device, h):
+        import mixprec
+
+        def forward(self, x):
+            return mixprec.linear(x, self.weight, self.bias)
+
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:
+                module.forward = types.MethodType(forward, module)
+        return make_inner(model, device, h)
+    return make
+
+
 def _graphed(make_inner):
     def make(model, device, h):
         return GraphedTrainer(make_inner(model, device, h))
@@ -293,6 +310,10 @@ VARIANTS = {v.name: v for v in (
             "and replayed: no host launches left", _graphed(_amp("O2", "fp16")), cuda_only=True),
     Variant("mixprec-o2-fp16-xent-graph", "fp16", "torch-fp16", "mixprec-o2-fp16-xent in a CUDA graph",
             _graphed(_amp("O2", "fp16", fused_loss=True)), cuda_only=True),
+    Variant("mixprec-o2-fp16-linear", "fp16", "torch-fp16", "mixprec-o2-fp16 with every Linear through "
+            "mixprec.linear (bias gradients by mixprec.linear_bias_grad)", _mixprec_linears(_amp("O2", "fp16"))),
+    Variant("mixprec-o2-bf16-linear", "bf16", "torch-bf16", "mixprec-o2-bf16 with every Linear through "
+            "mixprec.linear", _mixprec_linears(_amp("O2", "bf16"))),
     Variant("mixprec-o3-fp16", "fp16", "torch-fp16", "mixprec amp O3 fp16 (pure fp16, no masters, loss scale 1 as "
             "Apex's O3), FusedAdam", _amp("O3", "fp16")),
     Variant("mixprec-o3-bf16", "bf16", "torch-bf16", "mixprec amp O3 bf16 (pure bf16, no masters), FusedAdam",

@@ -63,6 +63,9 @@ TORCH_LIBRARY(mixprec, m) {
   // grad [rows, out_features] contiguous fp32/fp16/bf16 -> [out_features] in grad's dtype: the
   // rows summed in fp32, in a fixed order (the same result on every run), rounded once.
   m.def("linear_bias_grad(Tensor grad) -> Tensor");
+  // torch.nn.functional.linear, whose backward takes the bias gradient from linear_bias_grad
+  // (float64 from torch's sum); the forward and the backward's two GEMMs are ATen's own.
+  m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
 
   // ---- fused optimizers (kernels/<family>.*) -------------------------------------------------
   // Shared by every family: params (any float dtype) are updated in place; with master_params

@@ -114,6 +114,13 @@ def linear_bias_grad(grad: torch.Tensor) -> torch.Tensor:
     return _ops.linear_bias_grad(grad.reshape(-1, grad.shape[-1]) if grad.dim() != 2 else grad)
 
 
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.nn.functional.linear`` whose backward computes the bias gradient with
+    :func:`linear_bias_grad` (torch's ``sum(0)`` for float64). The forward and the backward's two
+    GEMMs are ATen's own calls; the autograd node is C++, as torch's is."""
+    return _ops.linear(input, weight, bias)
+
+
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies every tensor in place by the device scalar ``scale`` (e.g. a clip coefficient)."""
     (tensors,) = local_lists("scale_", (tensors,))

@@ -88,6 +88,24 @@ inline at::Tensor cross_entropy_backward(const at::Tensor& grad_losses, const at
   return op.call(grad_losses, logits, target, lse, ignore_index);
 }
 
+// ---- a Linear layer's bias gradient ------------------------------------------------------------
+// grad [rows, out_features] (fp32/fp16/bf16, contiguous) summed over its rows in fp32, in a fixed
+// order, rounded once to grad's dtype: [out_features].
+inline at::Tensor linear_bias_grad(const at::Tensor& grad) {
+  using Sig = at::Tensor(const at::Tensor&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::linear_bias_grad", "").typed<Sig>();
+  return op.call(grad);
+}
+
+// torch::nn::functional::linear, differentiable, whose backward takes the bias gradient from
+// linear_bias_grad; the forward and the backward's GEMMs are ATen's own.
+inline at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias = std::nullopt) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::linear", "").typed<Sig>();
+  return op.call(input, weight, bias);
+}
+
 // ---- fused optimizer steps --------------------------------------------------------------------
 // Scalars shared by every optimizer op (see csrc/ops/library.cpp): lr and step from the host, or
 // one-element float32 device tensors (then a step is CUDA-graph capturable); grads divided by

@@ -1,0 +1,63 @@
+// linear_bias_grad and linear called through the public C++ header on CPU and CUDA: the column
+// sum against float64, linear's gradients against torch's own linear, and bad input.
+#include <gtest/gtest.h>
+#include <mixprec/ops.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "test_support.h"
+
+namespace {
+
+using namespace mixprec::test;
+
+class Linear : public DeviceTest {};
+MIXPREC_INSTANTIATE_DEVICE_TESTS(Linear);
+
+TEST_P(Linear, BiasGradIsTheRowSumInFp32) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (const int64_t cols : {1, 9, 1280}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + ", cols = " + std::to_string(cols));
+      const at::Tensor grad = random_tensor({1025, cols}, dtype, device());
+      const at::Tensor got = mixprec::linear_bias_grad(grad);
+      ASSERT_EQ(got.scalar_type(), dtype);
+      const at::Tensor ref = grad.cpu().to(at::kDouble).sum(0);
+      // fp32 accumulation of 1025 values, then one rounding to the dtype (its unit roundoff).
+      const double roundoff = dtype == at::kFloat ? std::ldexp(1.0, -24)
+                              : dtype == at::kHalf ? std::ldexp(1.0, -11)
+                                                   : std::ldexp(1.0, -8);
+      const at::Tensor bound =
+          1025 * std::ldexp(1.0, -23) * grad.cpu().to(at::kDouble).abs().sum(0) + 2 * roundoff * ref.abs();
+      EXPECT_TRUE(((got.cpu().to(at::kDouble) - ref).abs() <= bound + 1e-30).all().item<bool>());
+    }
+  }
+}
+
+TEST_P(Linear, GradientsMatchTorchsLinear) {
+  const at::Tensor x0 = random_tensor({3, 17, 8}, at::kFloat, device());
+  const at::Tensor w0 = random_tensor({5, 8}, at::kFloat, device());
+  const at::Tensor b0 = random_tensor({5}, at::kFloat, device());
+  const at::Tensor dy = random_tensor({3, 17, 5}, at::kFloat, device());
+  auto run = [&](bool ours) {
+    at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true),
+               b = b0.clone().requires_grad_(true);
+    const at::Tensor y = ours ? mixprec::linear(x, w, b) : torch::nn::functional::linear(x, w, b);
+    y.backward(dy);
+    return std::vector<at::Tensor>{y.detach(), x.grad(), w.grad(), b.grad()};
+  };
+  const auto ours = run(true), torchs = run(false);
+  for (size_t i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(ours[i], torchs[i])) << "output/grad " << i;
+  EXPECT_TRUE(torch::allclose(ours[3], torchs[3], 1e-5, 1e-5)) << "bias grad";
+}
+
+TEST_P(Linear, BadInputNamesOpAndArgument) {
+  const at::Tensor x = random_tensor({2, 4}, at::kFloat, device());
+  const at::Tensor w = random_tensor({3, 4}, at::kFloat, device());
+  expect_c10_error([&] { mixprec::linear(x, w.view({12})); }, {"mixprec::linear: weight", "2-D"});
+  expect_c10_error([&] { mixprec::linear(x, w, w[0]); }, {"mixprec::linear: bias", "[3]"});
+  expect_c10_error([&] { mixprec::linear_bias_grad(x.t()); }, {"mixprec::linear_bias_grad: grad", "not contiguous"});
+  expect_c10_error([&] { mixprec::linear_bias_grad(x.to(at::kDouble)); }, {"mixprec::linear_bias_grad: grad", "Double"});
+}
+
+}  // namespace
