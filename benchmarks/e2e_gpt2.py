@@ -119,6 +119,12 @@ def run_variant(name: str, size: str, batches: Batches, device: torch.device, ar
     return row
 
 
+def is_steady(run: dict) -> bool:
+    """A GPU-bound loop's median step stays within STEADY_RATIO of its fastest; a run past that
+    was slowed by something else (on the H200 machines: stretches where the host issues slowly)."""
+    return run["ms"] <= STEADY_RATIO * run["min_ms"]
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """One row per (size, variant) from its repeated runs: the timing of the median steady run (of
     any run when none was steady), the mean held-out loss with every run's loss beside it, the
@@ -133,7 +139,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         if not ok:
             out.append(dict(group[0], repeats=len(group)))
             continue
-        steady = [r for r in ok if r["ms"] <= STEADY_RATIO * r["min_ms"]]
+        steady = [r for r in ok if is_steady(r)]
         timed = sorted(steady or ok, key=lambda r: r["ms"])
         row = dict(timed[(len(timed) - 1) // 2])  # the median run (the faster middle one of an even count)
         row.pop("repeat", None)
@@ -265,6 +271,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="train every variant N times, interleaved (all variants, then all again), and judge "
                              "the loss bars on the mean losses and the speed on the median steady run (default 1)")
+    parser.add_argument("--retry-unsteady", type=int, default=0, metavar="N",
+                        help="run an unsteady run (median step over 1.05x its fastest) again, up to N times; "
+                             "every attempt is kept and its loss counted (default 0)")
     parser.add_argument("--profile", action="store_true",
                         help="after each variant, a synchronized phase breakdown and a torch.profiler kernel summary")
     parser.add_argument("--profile-steps", type=int, default=3, help="steps per profiling pass (default 3)")
@@ -300,6 +309,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error("--variants: a variant is listed twice")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.retry_unsteady < 0:
+        parser.error("--retry-unsteady must be >= 0")
     if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1:
         parser.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
     if args.long_run is not None and args.long_run <= args.warmup:
@@ -321,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     env["float32_matmul_precision"] = torch.get_float32_matmul_precision()
     config = {"sizes": {s: vars(SIZES[s]) for s in args.size_list}, "variants": args.variant_list,
               "steps_total": n_total, "warmup": args.warmup, "hyper": vars(hyper), "seed": args.seed,
-              "long_run": args.long_run, "repeats": args.repeats}
+              "long_run": args.long_run, "repeats": args.repeats, "retry_unsteady": args.retry_unsteady}
     print(f"{common.device_label(env)} | torch {torch.__version__} | mixprec {env['mixprec']} | "
           f"{n_total} steps ({args.warmup} warm-up)", flush=True)
     runs: list[dict] = []
@@ -333,19 +344,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         # Repeats interleaved, so that a slow stretch of the machine falls on every variant alike.
         for repeat in range(args.repeats):
             for name in args.variant_list:
-                row = run_variant(name, size, batches, device, args, hyper, n_total, args.warmup)
-                row["repeat"] = repeat
-                runs.append(row)
-                brief = (f"{row['ms']:.2f} ms/step (min {row['min_ms']:.2f}), {row['tok_s'] / 1e3:.1f} k tok/s, "
-                         f"loss {row['loss']:.4f}" + (f", peak {row['peak_GiB']:.2f} GiB" if "peak_GiB" in row else "")
-                         if "loss" in row else "")
-                tag = f" #{repeat + 1}" if args.repeats > 1 else ""
-                print(f"[{size} {name}{tag}] {row['status']} {brief}", flush=True)
+                for attempt in range(1 + args.retry_unsteady):
+                    row = run_variant(name, size, batches, device, args, hyper, n_total, args.warmup)
+                    row["repeat"], row["attempt"] = repeat, attempt
+                    runs.append(row)
+                    brief = (f"{row['ms']:.2f} ms/step (min {row['min_ms']:.2f}), {row['tok_s'] / 1e3:.1f} k tok/s, "
+                             f"loss {row['loss']:.4f}" + (f", peak {row['peak_GiB']:.2f} GiB" if "peak_GiB" in row
+                                                          else "") if "loss" in row else "")
+                    tag = f" #{repeat + 1}" if args.repeats > 1 else ""
+                    tag += f" (retry {attempt})" if attempt else ""
+                    print(f"[{size} {name}{tag}] {row['status']} {brief}", flush=True)
+                    if row["status"] != "ok" or is_steady(row):
+                        break
                 rows = summarize(runs)
                 compare(rows)
                 if args.out:  # rewritten each time, so a run cut short still leaves its results
                     common.write_json(args.out, env, rows, config=config, bars=bars(rows, bool(args.long_run)),
-                                      runs=runs if args.repeats > 1 else None)
+                                      runs=runs if len(runs) > len(rows) else None)
         del batches
         release(device)
     print()

@@ -236,3 +236,27 @@ def test_cuda_tiny_every_variant_with_profile(tmp_path):
         u = p["unsynced"]
         assert 0 < u["busy_ms"] <= u["span_ms"] and u["idle_ms"] == pytest.approx(u["span_ms"] - u["busy_ms"]), name
         assert u["step_ms"] > 0 and len(u["top_gaps"]) > 0, name
+
+
+def test_unsteady_runs_are_retried_and_every_attempt_kept(tmp_path, monkeypatch):
+    # The first attempt of each variant comes back unsteady (a host stall), the second steady.
+    attempts: dict[str, int] = {}
+
+    def fake_run(name, size, *args, **kwargs):
+        attempts[name] = attempts.get(name, 0) + 1
+        ms = 60.0 if attempts[name] == 1 else 50.0
+        return {"size": size, "variant": name, "peer": e2e_gpt2.VARIANTS[name].peer, "status": "ok", "ms": ms,
+                "min_ms": 50.0, "tok_s": 1.0, "loss": 5.0 + attempts[name], "skipped_steps": 0, "steps": 3}
+
+    monkeypatch.setattr(e2e_gpt2, "run_variant", fake_run)
+    out = tmp_path / "e2e.json"
+    e2e_gpt2.main(["--device", "cpu", "--tiny", "--variants", "torch-bf16,mixprec-o2-bf16", "--retry-unsteady", "2",
+                   "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert attempts == {"torch-bf16": 2, "mixprec-o2-bf16": 2}  # stopped at the first steady attempt
+    assert [(r["variant"], r["attempt"]) for r in data["runs"]] == [
+        ("torch-bf16", 0), ("torch-bf16", 1), ("mixprec-o2-bf16", 0), ("mixprec-o2-bf16", 1)]
+    rows = {r["variant"]: r for r in data["results"]}
+    assert rows["mixprec-o2-bf16"]["ms"] == 50.0 and rows["mixprec-o2-bf16"]["steady"]
+    assert rows["mixprec-o2-bf16"]["loss"] == pytest.approx(6.5)  # both attempts' losses count
+    assert data["config"]["retry_unsteady"] == 2
