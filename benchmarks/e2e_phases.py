@@ -122,7 +122,7 @@ _KINDS = (
     ("loss scaling", ("unscale", "non_finite", "nonfinite", "update_scale", "amp_update")),
     ("optimizer", ("adam", "increment_step")),
     ("matmul", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "sm90_", "sm80_", "splitk")),
-    ("layernorm", ("layer_norm", "layernorm")),
+    ("layernorm", ("layer_norm", "layernorm", "gammabeta")),  # GammaBetaBackward: LayerNorm's weight grads
     ("softmax/loss", ("softmax", "nll_loss", "cross_entropy")),
     ("embedding", ("embedding", "index", "scatter", "gather")),
     ("reduction", ("reduce",)),

@@ -137,6 +137,8 @@ def test_device_gaps_merge_overlaps_and_rank_the_waits():
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", "optimizer"),
     ("void at::native::amp_update_scale_cuda_kernel(float*, int*, float const*)", "loss scaling"),
     ("void at::native::vectorized_layer_norm_kernel<c10::Half, float>", "layernorm"),
+    ("void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<c10::Half, float, 32u>",
+     "layernorm"),
     ("void at::native::vectorized_elementwise_kernel<4, GeluCUDAKernelImpl>", "elementwise/other"),
     ("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
 ])
