@@ -29,7 +29,7 @@ struct BiasGradParams {
 
 // Rows per split on the CPU: fixed by the shape alone, so results do not depend on the threads.
 constexpr int64_t kCpuRowsPerSplit = 1024;
-MIXPREC_HOST_DEVICE inline int64_t bias_grad_cpu_splits(int64_t rows) {
+inline int64_t bias_grad_cpu_splits(int64_t rows) {
   return rows <= kCpuRowsPerSplit ? 1 : (rows + kCpuRowsPerSplit - 1) / kCpuRowsPerSplit;
 }
 

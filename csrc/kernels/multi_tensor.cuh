@@ -294,18 +294,23 @@ __global__ void __launch_bounds__(kBlockThreads, 2)
   }
 }
 
+// The current device's streaming multiprocessors, cached per device (a launch-time query).
+inline int current_sm_count() {
+  int device = 0;
+  MIXPREC_CUDA_CHECK(cudaGetDevice(&device));
+  static int counts[256] = {};
+  if (device < 0 || device >= 256) throw std::runtime_error("mixprec: CUDA device index out of range");
+  if (counts[device] == 0)
+    MIXPREC_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  return counts[device];
+}
+
 // Blocks of `kernel` the current device holds resident at once (SMs x occupancy), cached.
 template <typename Kernel>
 int resident_blocks(Kernel kernel) {
   static int per_sm = 0;  // one value per kernel instantiation; the same on every GPU model
   if (per_sm == 0) MIXPREC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
-  int device = 0;
-  MIXPREC_CUDA_CHECK(cudaGetDevice(&device));
-  static int sm_count[256] = {};
-  if (device < 0 || device >= 256) throw std::runtime_error("mixprec: CUDA device index out of range");
-  if (sm_count[device] == 0)
-    MIXPREC_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count[device], cudaDevAttrMultiProcessorCount, device));
-  return std::max(1, per_sm) * sm_count[device];
+  return std::max(1, per_sm) * current_sm_count();
 }
 
 // Packs group `g` into as few tables as fit and calls launch(table, blocks) for each, where tensor

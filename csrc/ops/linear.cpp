@@ -2,8 +2,8 @@
 // linear_bias_grad (kernels/bias_grad.h) instead of torch's generic sum(0). Forward and the two
 // GEMMs of the backward are ATen's own calls, so only the bias gradient's kernel differs. The
 // autograd node is C++, so a step through it costs the host what torch's own linear costs.
+#include <mixprec/ops.h>  // linear_bias_grad, called through the dispatcher as a LibTorch user would
 #include <torch/autograd.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "ops/tensor_lists.h"
@@ -28,13 +28,6 @@ void check_linear(const at::Tensor& input, const at::Tensor& weight, const std::
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), arg_name(kOp, "bias"),
                       " must have shape [out_features] = [", num(weight.sym_size(0)), "], got ",
                       shape(bias->sym_sizes()));
-}
-
-at::Tensor call_linear_bias_grad(const at::Tensor& grad2d) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mixprec::linear_bias_grad", "")
-                             .typed<at::Tensor(const at::Tensor&)>();
-  return op.call(grad2d);
 }
 
 bool bias_grad_kernel_takes(const at::Tensor& t) {
@@ -69,7 +62,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     if (ctx->needs_input_grad(1)) grad_weight = grad2d.t().mm(input.reshape({-1, in_features}));
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
       // float64 (gradcheck) has no kernel of ours: torch's sum serves there.
-      grad_bias = bias_grad_kernel_takes(grad2d) ? call_linear_bias_grad(grad2d) : grad2d.sum(0);
+      grad_bias = bias_grad_kernel_takes(grad2d) ? mixprec::linear_bias_grad(grad2d) : grad2d.sum(0);
     }
     return {grad_input, grad_weight, grad_bias};
   }

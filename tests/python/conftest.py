@@ -284,6 +284,15 @@ def raises_named(exc_types, op: str, arg: str, index: int | None = None):
     return pytest.raises(exc_types, match=name)
 
 
+def assert_usage_error(parse_args: Callable[[list[str]], object], argv: list[str], message: str, capsys) -> None:
+    """A benchmark's ``parse_args(argv)`` exits as argparse does for bad usage (code 2), with
+    ``message`` in what it printed to stderr."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def check_rejected(fn: Callable[[], object], tensors: Sequence[torch.Tensor | None], exc_types, op: str, arg: str,
                    index: int | None = None, device=None) -> None:
     """``fn()`` raises an error naming op, argument and index, and leaves ``tensors`` untouched."""

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from conftest import assert_usage_error
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 sys.path.insert(0, os.path.abspath(BENCH))
 
@@ -48,10 +50,7 @@ def test_cpu_run_trains_every_wrap_and_variant_on_one_and_two_ranks(tmp_path):
     (["--device", "cpu", "--steps", "0"], "--steps"),
 ])
 def test_bad_arguments_are_refused_with_the_reason(argv, message, capsys):
-    with pytest.raises(SystemExit) as info:
-        e2e_distributed.parse_args(argv)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_usage_error(e2e_distributed.parse_args, argv, message, capsys)
 
 
 def test_derive_takes_efficiency_from_one_rank_and_ratios_from_the_peer():

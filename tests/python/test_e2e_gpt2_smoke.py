@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import assert_usage_error
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 sys.path.insert(0, os.path.abspath(BENCH))
 
@@ -156,10 +158,7 @@ def test_kernel_kinds(name, kind):
     (["--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        e2e_gpt2.parse_args(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_usage_error(e2e_gpt2.parse_args, argv, message, capsys)
 
 
 def test_graph_variants_are_cuda_only():

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <stdexcept>
 
 #include "kernels/bias_grad.h"
 #include "kernels/multi_tensor.cuh"
@@ -64,16 +63,6 @@ __global__ void __launch_bounds__(kBlockThreads) bias_grad_finish_kernel(const B
   static_cast<T*>(p.out)[c] = from_float<T>(s);
 }
 
-int sm_count() {
-  int device = 0;
-  MIXPREC_CUDA_CHECK(cudaGetDevice(&device));
-  static int counts[256] = {};
-  if (device < 0 || device >= 256) throw std::runtime_error("mixprec: CUDA device index out of range");
-  if (counts[device] == 0)
-    MIXPREC_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
-  return counts[device];
-}
-
 int64_t column_tiles(DType dtype, int64_t cols) {
   const int64_t per_tile = kLanes * (dtype == DType::kFloat32 ? 4 : 8);
   return (cols + per_tile - 1) / per_tile;
@@ -83,7 +72,7 @@ int64_t column_tiles(DType dtype, int64_t cols) {
 
 int64_t bias_grad_cuda_splits(DType dtype, int64_t rows, int64_t cols) {
   if (rows == 0 || cols == 0) return 1;
-  const int64_t want = (static_cast<int64_t>(kBlocksPerSM) * sm_count() + column_tiles(dtype, cols) - 1) /
+  const int64_t want = (static_cast<int64_t>(kBlocksPerSM) * current_sm_count() + column_tiles(dtype, cols) - 1) /
                        column_tiles(dtype, cols);
   const int64_t most = std::max<int64_t>(1, rows / (kRowGroups * kMinRowsPerThread));
   return std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 65535));  // gridDim.y's limit
