@@ -1,7 +1,9 @@
 """Where torch's own layer kernels stand against the copy bandwidth on GPT-2's shapes: the bias
 gradient of each Linear (a column sum of the output gradient) and LayerNorm forward and backward,
 with other formulations of the bias gradient beside torch's (mixprec.linear_bias_grad among
-them). Issue 7's profile of O2 on GPT-2
+them), and the weight and bias gradients together (mixprec.linear_weight_bias_grad's one GEMM
+against torch's mm plus a sum). On CUDA every sample is device time: a spin kernel lets the host
+queue the sample's launches first. Issue 7's profile of O2 on GPT-2
 large (benchmarks/RESULTS.md) put those kernels at 2.4 ms (bias gradients, 145 calls) and 2.9 ms
 (LayerNorm) a step; this says how far each is from what it must move, before anything is built.
 
@@ -60,6 +62,45 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(got.double() - ref) / torch.linalg.vector_norm(ref))
 
 
+def param_grad_candidates() -> dict:
+    """Ways to compute a Linear's (weight, bias) gradients from (grad [rows, out], input [rows, in])."""
+    import mixprec
+
+    return {"torch mm + sum(0)": lambda g, x: (g.t().mm(x), g.sum(0)),
+            "torch mm + linear_bias_grad": lambda g, x: (g.t().mm(x), mixprec.linear_bias_grad(g)),
+            "mixprec.linear_weight_bias_grad": mixprec.linear_weight_bias_grad}
+
+
+def bench_param_grads(size: str, rows: int, dtype: torch.dtype, device, runs, warmup) -> list[dict]:
+    """The weight GEMM and the bias sum of each biased Linear, apart and in one cuBLASLt GEMM."""
+    cfg = SIZES[size]
+    out = []
+    for layer, width, calls in bias_widths(size):
+        fan_in = 4 * cfg.n_embd if layer == "mlp.c_proj" else cfg.n_embd
+        pairs = [(torch.randn(rows, width, dtype=dtype, device=device),
+                  torch.randn(rows, fan_in, dtype=dtype, device=device)) for _ in range(2)]
+        g64, x64 = (t.double() for t in pairs[0])
+        ref_w, ref_b = g64.t() @ x64, g64.sum(0)
+        fns = param_grad_candidates()
+        errs = {}
+        for name, fn in fns.items():
+            w, b = fn(*pairs[0])
+            errs[name] = max(rel_err(w, ref_w), rel_err(b, ref_b))
+        bound = max(ERROR_FACTOR * errs["torch mm + sum(0)"], 1e-6)
+        for name, e in errs.items():
+            if not e <= min(bound, 1e-2):
+                raise SystemExit(f"layer_kernels: {name} on {layer} {dtype}: error {e:.3g} against float64 exceeds "
+                                 f"{min(bound, 1e-2):.3g} (torch's own: {errs['torch mm + sum(0)']:.3g})")
+        timings = common.time_many(fns, device, runs=runs, warmup=warmup, host_ahead=device.type == "cuda",
+                                   arg_sets={name: pairs for name in fns})
+        for name, t in timings.items():
+            out.append({"size": size, "dtype": str(dtype).replace("torch.", ""), "kernel": f"weight+bias grad {layer}",
+                        "shape": f"{rows}x{width}x{fan_in}", "candidate": name, "us": t.median * 1e6,
+                        "pct_copy": None, "rel_err": errs[name], "calls": calls,
+                        "ms_per_step": t.median * calls * 1e3})
+    return out
+
+
 def bench_bias_grads(size: str, rows: int, dtype: torch.dtype, device, copy, runs, warmup) -> list[dict]:
     out = []
     for layer, width, calls in bias_widths(size):
@@ -72,7 +113,7 @@ def bench_bias_grads(size: str, rows: int, dtype: torch.dtype, device, copy, run
             if not e <= min(bound, 1e-2):
                 raise SystemExit(f"layer_kernels: {name} on [{rows}, {width}] {dtype}: error {e:.3g} against "
                                  f"float64 exceeds {min(bound, 1e-2):.3g} (torch's own: {errs['torch sum(0)']:.3g})")
-        timings = common.time_many(fns, device, runs=runs, warmup=warmup,
+        timings = common.time_many(fns, device, runs=runs, warmup=warmup, host_ahead=device.type == "cuda",
                                    arg_sets={name: [(g,) for g in grads] for name in fns})
         nbytes = rows * width * grads[0].element_size()
         for name, t in timings.items():
@@ -101,7 +142,7 @@ def bench_layer_norm(size: str, rows: int, dtype: torch.dtype, device, copy, run
     e = xs[0].element_size()
     moved = {"forward": 2 * rows * width * e, "forward+backward": 5 * rows * width * e}  # bwd: x, dy in; dx out
     fns = {"forward": forward, "forward+backward": forward_backward}
-    timings = common.time_many(fns, device, runs=runs, warmup=warmup,
+    timings = common.time_many(fns, device, runs=runs, warmup=warmup, host_ahead=device.type == "cuda",
                                arg_sets={n: list(zip(xs, dys)) for n in fns})
     out = []
     for name, t in timings.items():
@@ -137,8 +178,10 @@ def main(argv=None) -> None:
     for size in sizes:
         for dtype in (torch.float16, torch.bfloat16):
             results += bench_bias_grads(size, rows_of[size], dtype, device, copy, runs, warmup)
+            results += bench_param_grads(size, rows_of[size], dtype, device, runs, warmup)
             results += bench_layer_norm(size, rows_of[size], dtype, device, copy, runs, warmup)
-    rows = [dict(r, rel_err=f"{r['rel_err']:.2e}" if r["rel_err"] is not None else "-") for r in results]
+    rows = [dict(r, rel_err=f"{r['rel_err']:.2e}" if r["rel_err"] is not None else "-",
+                 pct_copy=r["pct_copy"] if r["pct_copy"] is not None else "-") for r in results]
     print(common.format_table(rows, ["size", "dtype", "kernel", "shape", "candidate", "us", "pct_copy", "rel_err",
                                      "calls", "ms_per_step"],
                               ["size", "dtype", "kernel", "shape", "candidate", "us", "% copy", "rel err",

@@ -15,7 +15,8 @@ namespace mixprec::kernels {
 // enough blocks to fill the GPU.
 //
 // Two passes keep the result independent of timing: pass 1 writes one fp32 partial sum per
-// (row split, column) into `partials`; pass 2 adds a column's partials in split order.
+// (row split, column) into `partials`; pass 2 adds a column's partials in a fixed order (split
+// order on the CPU; on CUDA every 8th split in order, then those 8 sums in order).
 
 struct BiasGradParams {
   DType dtype = DType::kFloat32;  // of grad and out

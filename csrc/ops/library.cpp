@@ -66,6 +66,11 @@ TORCH_LIBRARY(mixprec, m) {
   // torch.nn.functional.linear, whose backward takes the bias gradient from linear_bias_grad
   // (float64 from torch's sum); the forward and the backward's two GEMMs are ATen's own.
   m.def("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  // The weight and bias gradients of a Linear together: grad [rows, out_features] and input
+  // [rows, in_features], contiguous, one dtype -> (grad.t() @ input, grad summed over its rows).
+  // On CUDA in fp16/bf16 one cuBLASLt GEMM computes both (the bias sum in its epilogue, from the
+  // gradient tiles the GEMM reads anyway); elsewhere torch's mm and linear_bias_grad.
+  m.def("linear_weight_bias_grad(Tensor grad, Tensor input) -> (Tensor, Tensor)");
 
   // ---- fused optimizers (kernels/<family>.*) -------------------------------------------------
   // Shared by every family: params (any float dtype) are updated in place; with master_params

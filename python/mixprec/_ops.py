@@ -114,10 +114,20 @@ def linear_bias_grad(grad: torch.Tensor) -> torch.Tensor:
     return _ops.linear_bias_grad(grad.reshape(-1, grad.shape[-1]) if grad.dim() != 2 else grad)
 
 
+def linear_weight_bias_grad(grad: torch.Tensor, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Linear layer's weight and bias gradients from its output gradient ``grad``
+    [rows, out_features] and its ``input`` [rows, in_features] (2-D, contiguous, one dtype):
+    ``(grad.t() @ input, grad.sum(0))``. On CUDA in float16/bfloat16 one cuBLASLt GEMM computes
+    both, the bias sum in the GEMM's epilogue (no second pass over ``grad``); elsewhere torch's mm
+    and :func:`linear_bias_grad`."""
+    return _ops.linear_weight_bias_grad(grad, input)
+
+
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``torch.nn.functional.linear`` whose backward computes the bias gradient with
     :func:`linear_bias_grad` (torch's ``sum(0)`` for float64). The forward and the backward's two
-    GEMMs are ATen's own calls; the autograd node is C++, as torch's is."""
+    GEMMs are ATen's own calls; the autograd node is C++, as torch's is. (Not
+    :func:`linear_weight_bias_grad`: its GEMM was slower than torch's mm on some of GPT-2's shapes.)"""
     return _ops.linear(input, weight, bias)
 
 

@@ -1,5 +1,6 @@
-// linear_bias_grad and linear called through the public C++ header on CPU and CUDA: the column
-// sum against float64, linear's gradients against torch's own linear, and bad input.
+// linear_bias_grad, linear_weight_bias_grad and linear called through the public C++ header on CPU
+// and CUDA: the column sum and the weight gradient against float64, linear's gradients against
+// torch's own linear, and bad input.
 #include <gtest/gtest.h>
 #include <mixprec/ops.h>
 #include <torch/torch.h>
@@ -51,6 +52,29 @@ TEST_P(Linear, GradientsMatchTorchsLinear) {
   EXPECT_TRUE(torch::allclose(ours[3], torchs[3], 1e-5, 1e-5)) << "bias grad";
 }
 
+TEST_P(Linear, WeightAndBiasGradsTogetherWithinFp32Accumulation) {
+  // On CUDA in fp16/bf16 one cuBLASLt GEMM; elsewhere torch's mm and linear_bias_grad.
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const int64_t rows = 513;
+    const at::Tensor grad = random_tensor({rows, 40}, dtype, device());
+    const at::Tensor input = random_tensor({rows, 24}, dtype, device());
+    const auto [grad_weight, grad_bias] = mixprec::linear_weight_bias_grad(grad, input);
+    ASSERT_EQ(grad_weight.sizes(), (at::IntArrayRef{40, 24}));
+    ASSERT_EQ(grad_bias.sizes(), (at::IntArrayRef{40}));
+    const at::Tensor g = grad.cpu().to(at::kDouble), x = input.cpu().to(at::kDouble);
+    const double eps = dtype == at::kFloat ? std::ldexp(1.0, -10)  // torch's fp32 mm may run in TF32
+                       : dtype == at::kHalf ? std::ldexp(1.0, -10)
+                                            : std::ldexp(1.0, -7);
+    const at::Tensor ref_w = g.t().mm(x), ref_b = g.sum(0);
+    const at::Tensor bound_w = rows * std::ldexp(1.0, -23) * g.abs().t().mm(x.abs()) + eps * ref_w.abs() +
+                               (dtype == at::kFloat ? rows * eps * g.abs().t().mm(x.abs()) : at::zeros_like(ref_w));
+    const at::Tensor bound_b = rows * std::ldexp(1.0, -23) * g.abs().sum(0) + eps * ref_b.abs();
+    EXPECT_TRUE(((grad_weight.cpu().to(at::kDouble) - ref_w).abs() <= bound_w + 1e-30).all().item<bool>());
+    EXPECT_TRUE(((grad_bias.cpu().to(at::kDouble) - ref_b).abs() <= bound_b + 1e-30).all().item<bool>());
+  }
+}
+
 TEST_P(Linear, BadInputNamesOpAndArgument) {
   const at::Tensor x = random_tensor({2, 4}, at::kFloat, device());
   const at::Tensor w = random_tensor({3, 4}, at::kFloat, device());
@@ -58,6 +82,10 @@ TEST_P(Linear, BadInputNamesOpAndArgument) {
   expect_c10_error([&] { mixprec::linear(x, w, w[0]); }, {"mixprec::linear: bias", "[3]"});
   expect_c10_error([&] { mixprec::linear_bias_grad(x.t()); }, {"mixprec::linear_bias_grad: grad", "not contiguous"});
   expect_c10_error([&] { mixprec::linear_bias_grad(x.to(at::kDouble)); }, {"mixprec::linear_bias_grad: grad", "Double"});
+  expect_c10_error([&] { mixprec::linear_weight_bias_grad(x, w); },
+                   {"mixprec::linear_weight_bias_grad: input", "same number of rows"});
+  expect_c10_error([&] { mixprec::linear_weight_bias_grad(x, x.to(at::kHalf)); },
+                   {"mixprec::linear_weight_bias_grad: input", "one dtype"});
 }
 
 }  // namespace

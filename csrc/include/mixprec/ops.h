@@ -97,6 +97,16 @@ inline at::Tensor linear_bias_grad(const at::Tensor& grad) {
   return op.call(grad);
 }
 
+// A Linear's weight and bias gradients from its output gradient grad [rows, out_features] and its
+// input [rows, in_features] (contiguous, one dtype): (grad.t() @ input, grad summed over rows).
+// On CUDA in fp16/bf16 one cuBLASLt GEMM computes both, the bias sum in its epilogue.
+inline std::tuple<at::Tensor, at::Tensor> linear_weight_bias_grad(const at::Tensor& grad, const at::Tensor& input) {
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::linear_weight_bias_grad", "").typed<Sig>();
+  return op.call(grad, input);
+}
+
 // torch::nn::functional::linear, differentiable, whose backward takes the bias gradient from
 // linear_bias_grad; the forward and the backward's GEMMs are ATen's own.
 inline at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,

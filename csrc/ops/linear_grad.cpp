@@ -1,0 +1,51 @@
+// linear_weight_bias_grad's checks and its composite implementation, registered for every backend
+// without a kernel of its own (CPU, Meta); the CUDA registration (ops/cuda/linear_grad.cpp) falls
+// back to it where cuBLASLt does not serve.
+#include "ops/linear_grad.h"
+
+#include <mixprec/ops.h>
+#include <torch/library.h>
+
+#include "ops/tensor_lists.h"
+
+namespace mixprec::detail {
+namespace {
+
+constexpr const char* kOp = "linear_weight_bias_grad";
+
+void check_matrix(const at::Tensor& t, const char* arg, const char* layout) {
+  TORCH_CHECK(t.defined(), arg_name(kOp, arg), " is undefined");
+  TORCH_CHECK_VALUE(t.dim() == 2, arg_name(kOp, arg), " must be 2-D ", layout, ", got shape ", shape(t.sym_sizes()));
+  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), arg_name(kOp, arg), " must be a floating tensor, got ",
+                   t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), arg_name(kOp, arg), " is not contiguous");
+}
+
+}  // namespace
+
+void check_linear_weight_bias_grad(const at::Tensor& grad, const at::Tensor& input) {
+  check_matrix(grad, "grad", "[rows, out_features]");
+  check_matrix(input, "input", "[rows, in_features]");
+  TORCH_CHECK_TYPE(input.scalar_type() == grad.scalar_type(), arg_name(kOp, "input"), " is ", input.scalar_type(),
+                   " but grad is ", grad.scalar_type(), "; both must have one dtype");
+  TORCH_CHECK(input.device() == grad.device(), arg_name(kOp, "input"), " is on ", input.device(), " but grad is on ",
+              grad.device());
+  TORCH_CHECK_VALUE(input.sym_size(0) == grad.sym_size(0), arg_name(kOp, "input"), " has shape ",
+                    shape(input.sym_sizes()), " but grad has shape ", shape(grad.sym_sizes()),
+                    "; both must have the same number of rows");
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_weight_bias_grad_composite(const at::Tensor& grad, const at::Tensor& input) {
+  check_linear_weight_bias_grad(grad, input);
+  at::Tensor grad_weight = grad.t().mm(input);
+  const auto d = grad.scalar_type();
+  const bool our_kernel = d == at::kFloat || d == at::kHalf || d == at::kBFloat16;
+  at::Tensor grad_bias = our_kernel ? mixprec::linear_bias_grad(grad) : grad.sum(0);
+  return {std::move(grad_weight), std::move(grad_bias)};
+}
+
+TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) {
+  m.impl("linear_weight_bias_grad", &linear_weight_bias_grad_composite);
+}
+
+}  // namespace mixprec::detail
