@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import types
 from typing import Callable, Optional
 
 import torch
@@ -120,12 +119,15 @@ class AmpTrainer(Trainer):
     """mixprec.amp.initialize at an opt level (Apex's API): under O2 the model is cast to the low
     dtype and FusedAdam keeps the fp32 masters, updating both in one kernel."""
 
-    def __init__(self, model, device, optimizer, opt_level: str, dtype: torch.dtype):
+    def __init__(self, model, device, optimizer, opt_level: str, dtype: torch.dtype,
+                 layer_kernels: Optional[bool] = None):
         from mixprec import amp
 
         self.amp = amp
-        # The model's own forward casts (O1 autocast, O2 input/output casts) are amp's, not ours.
-        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0)
+        # The model's own forward casts (O1 autocast, O2 input/output casts) are amp's, not ours;
+        # so are its layer kernels (on by default where the model is cast).
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0,
+                                          layer_kernels=layer_kernels)
         super().__init__(model, None, device)
         self.optimizer = optimizer
 
@@ -262,26 +264,10 @@ def _autocast(dtype: Optional[str], opt, scaler=None):
     return make
 
 
-def _amp(level: str, dtype: str, fused_loss: bool = False):
+def _amp(level: str, dtype: str, fused_loss: bool = False, layer_kernels: Optional[bool] = None):
     def make(model, device, h):
         model.fused_loss = fused_loss
-        return AmpTrainer(model, device, fused_adam(model, h), level, DTYPES[dtype])
-    return make
-
-
-def _mixprec_linears(make_inner):
-    """Every nn.Linear of the model through mixprec.linear: the same forward and GEMMs, the bias
-    gradient from mixprec.linear_bias_grad instead of torch's sum(0) (2.4 ms a step on large)."""
-    def make(model, device, h):
-        import mixprec
-
-        def forward(self, x):
-            return mixprec.linear(x, self.weight, self.bias)
-
-        for module in model.modules():
-            if type(module) is torch.nn.Linear:
-                module.forward = types.MethodType(forward, module)
-        return make_inner(model, device, h)
+        return AmpTrainer(model, device, fused_adam(model, h), level, DTYPES[dtype], layer_kernels)
     return make
 
 
@@ -296,10 +282,10 @@ VARIANTS = {v.name: v for v in (
     Variant("torch-fp16", "fp16", None, "torch.autocast fp16 + torch GradScaler + AdamW(fused=True)",
             _autocast("fp16", torch_adamw, torch_scaler)),
     Variant("torch-bf16", "bf16", None, "torch.autocast bf16 + AdamW(fused=True)", _autocast("bf16", torch_adamw)),
-    Variant("mixprec-o2-fp16", "fp16", "torch-fp16", "mixprec amp O2 fp16, FusedAdam(adam_w_mode) with fp32 masters",
-            _amp("O2", "fp16")),
-    Variant("mixprec-o2-bf16", "bf16", "torch-bf16", "mixprec amp O2 bf16, FusedAdam(adam_w_mode) with fp32 masters",
-            _amp("O2", "bf16")),
+    Variant("mixprec-o2-fp16", "fp16", "torch-fp16", "mixprec amp O2 fp16, FusedAdam(adam_w_mode) with fp32 masters, "
+            "mixprec's Linear and LayerNorm kernels", _amp("O2", "fp16")),
+    Variant("mixprec-o2-bf16", "bf16", "torch-bf16", "mixprec amp O2 bf16, FusedAdam(adam_w_mode) with fp32 masters, "
+            "mixprec's Linear and LayerNorm kernels", _amp("O2", "bf16")),
     Variant("mixprec-o2-fp16-xent", "fp16", "torch-fp16", "mixprec-o2-fp16 with the loss by mixprec.cross_entropy "
             "(fp32 softmax math, no fp32 copy of the logits)", _amp("O2", "fp16", fused_loss=True)),
     Variant("mixprec-o2-bf16-xent", "bf16", "torch-bf16", "mixprec-o2-bf16 with the loss by mixprec.cross_entropy",
@@ -310,10 +296,10 @@ VARIANTS = {v.name: v for v in (
             "and replayed: no host launches left", _graphed(_amp("O2", "fp16")), cuda_only=True),
     Variant("mixprec-o2-fp16-xent-graph", "fp16", "torch-fp16", "mixprec-o2-fp16-xent in a CUDA graph",
             _graphed(_amp("O2", "fp16", fused_loss=True)), cuda_only=True),
-    Variant("mixprec-o2-fp16-linear", "fp16", "torch-fp16", "mixprec-o2-fp16 with every Linear through "
-            "mixprec.linear (bias gradients by mixprec.linear_bias_grad)", _mixprec_linears(_amp("O2", "fp16"))),
-    Variant("mixprec-o2-bf16-linear", "bf16", "torch-bf16", "mixprec-o2-bf16 with every Linear through "
-            "mixprec.linear", _mixprec_linears(_amp("O2", "bf16"))),
+    Variant("mixprec-o2-fp16-torch-layers", "fp16", "torch-fp16", "mixprec-o2-fp16 with torch's Linear and "
+            "LayerNorm kernels (amp.initialize(layer_kernels=False))", _amp("O2", "fp16", layer_kernels=False)),
+    Variant("mixprec-o2-bf16-torch-layers", "bf16", "torch-bf16", "mixprec-o2-bf16 with torch's Linear and "
+            "LayerNorm kernels", _amp("O2", "bf16", layer_kernels=False)),
     Variant("mixprec-o3-fp16", "fp16", "torch-fp16", "mixprec amp O3 fp16 (pure fp16, no masters, loss scale 1 as "
             "Apex's O3), FusedAdam", _amp("O3", "fp16")),
     Variant("mixprec-o3-bf16", "bf16", "torch-bf16", "mixprec amp O3 bf16 (pure bf16, no masters), FusedAdam",

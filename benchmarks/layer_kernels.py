@@ -1,8 +1,8 @@
 """Where torch's own layer kernels stand against the copy bandwidth on GPT-2's shapes: the bias
 gradient of each Linear (a column sum of the output gradient) and LayerNorm forward and backward,
 with other formulations of the bias gradient beside torch's (mixprec.linear_bias_grad among
-them), and the weight and bias gradients together (mixprec.linear_weight_bias_grad's one GEMM
-against torch's mm plus a sum). On CUDA every sample is device time: a spin kernel lets the host
+them), the weight and bias gradients together (mixprec.linear_weight_bias_grad's one GEMM
+against torch's mm plus a sum), and mixprec.layer_norm beside torch's. On CUDA every sample is device time: a spin kernel lets the host
 queue the sample's launches first. Issue 7's profile of O2 on GPT-2
 large (benchmarks/RESULTS.md) put those kernels at 2.4 ms (bias gradients, 145 calls) and 2.9 ms
 (LayerNorm) a step; this says how far each is from what it must move, before anything is built.
@@ -132,24 +132,44 @@ def bench_layer_norm(size: str, rows: int, dtype: torch.dtype, device, copy, run
     weight = torch.ones(width, dtype=dtype, device=device, requires_grad=True)
     bias = torch.zeros(width, dtype=dtype, device=device, requires_grad=True)
 
-    def forward(x, dy):
-        return F.layer_norm(x, (width,), weight, bias)
+    import mixprec
 
-    def forward_backward(x, dy):
-        x = x.detach().requires_grad_(True)
-        torch.autograd.grad(F.layer_norm(x, (width,), weight, bias), (x, weight, bias), dy)
+    def forward(impl):
+        return lambda x, dy: impl(x, (width,), weight, bias)
+
+    def forward_backward(impl):
+        def run(x, dy):
+            x = x.detach().requires_grad_(True)
+            torch.autograd.grad(impl(x, (width,), weight, bias), (x, weight, bias), dy)
+        return run
 
     e = xs[0].element_size()
     moved = {"forward": 2 * rows * width * e, "forward+backward": 5 * rows * width * e}  # bwd: x, dy in; dx out
-    fns = {"forward": forward, "forward+backward": forward_backward}
-    timings = common.time_many(fns, device, runs=runs, warmup=warmup, host_ahead=device.type == "cuda",
-                               arg_sets={n: list(zip(xs, dys)) for n in fns})
+    impls = {"torch": F.layer_norm, "mixprec.layer_norm": mixprec.layer_norm}
+    fns = {(kind, name): (forward if kind == "forward" else forward_backward)(impl)
+           for kind in moved for name, impl in impls.items()}
+    # Checked against float64 first: the input gradient's error, beside torch's.
+    x64 = xs[0].double().requires_grad_(True)
+    w64, b64 = (p.detach().double().requires_grad_(True) for p in (weight, bias))
+    ref = torch.autograd.grad(F.layer_norm(x64, (width,), w64, b64), x64, dys[0].double())[0]
+    errs = {}
+    for name, impl in impls.items():
+        x = xs[0].detach().requires_grad_(True)
+        errs[name] = rel_err(torch.autograd.grad(impl(x, (width,), weight, bias), x, dys[0])[0], ref)
+    if not errs["mixprec.layer_norm"] <= max(ERROR_FACTOR * errs["torch"], 1e-6):
+        raise SystemExit(f"layer_kernels: mixprec.layer_norm's input gradient on [{rows}, {width}] {dtype}: error "
+                         f"{errs['mixprec.layer_norm']:.3g} against float64 (torch's own: {errs['torch']:.3g})")
+    timings = common.time_many({f"{k}|{n}": fn for (k, n), fn in fns.items()}, device, runs=runs, warmup=warmup,
+                               host_ahead=device.type == "cuda",
+                               arg_sets={f"{k}|{n}": list(zip(xs, dys)) for (k, n) in fns})
     out = []
-    for name, t in timings.items():
-        _, pct = common.achieved(moved[name], t.median, copy)
-        out.append({"size": size, "dtype": str(dtype).replace("torch.", ""), "kernel": f"layer_norm {name}",
-                    "shape": f"{rows}x{width}", "candidate": "torch", "us": t.median * 1e6, "pct_copy": pct,
-                    "rel_err": None, "calls": calls, "ms_per_step": t.median * calls * 1e3})
+    for key, t in timings.items():
+        kind, name = key.split("|")
+        _, pct = common.achieved(moved[kind], t.median, copy)
+        out.append({"size": size, "dtype": str(dtype).replace("torch.", ""), "kernel": f"layer_norm {kind}",
+                    "shape": f"{rows}x{width}", "candidate": name, "us": t.median * 1e6, "pct_copy": pct,
+                    "rel_err": errs[name] if kind != "forward" else None, "calls": calls,
+                    "ms_per_step": t.median * calls * 1e3})
     return out
 
 

@@ -28,12 +28,6 @@ struct BiasGradParams {
   void* out = nullptr;        // [cols], grad's dtype
 };
 
-// Rows per split on the CPU: fixed by the shape alone, so results do not depend on the threads.
-constexpr int64_t kCpuRowsPerSplit = 1024;
-inline int64_t bias_grad_cpu_splits(int64_t rows) {
-  return rows <= kCpuRowsPerSplit ? 1 : (rows + kCpuRowsPerSplit - 1) / kCpuRowsPerSplit;
-}
-
 // CPU pass 1 for splits [split_begin, split_end), every column; pass 2 for columns
 // [col_begin, col_end). The ops tier spreads both over its thread pool.
 void bias_grad_partials_cpu(const BiasGradParams& p, int64_t split_begin, int64_t split_end);

@@ -209,17 +209,22 @@ __device__ __forceinline__ bool is_finite(float x) {
   return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
 }
 
+// Warp-wide sum in a fixed butterfly order; every lane gets the same result.
+__device__ __forceinline__ float warp_reduce_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Block-wide sum and max; every thread gets the result. Uses 32 floats of shared memory.
 __device__ __forceinline__ float block_reduce_sum(float v) {
   __shared__ float warp_part[kBlockThreads / 32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_reduce_sum(v);
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = v;
   __syncthreads();
   v = (threadIdx.x < blockDim.x / 32) ? warp_part[threadIdx.x] : 0.f;
   if (threadIdx.x < 32) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_reduce_sum(v);
     if (threadIdx.x == 0) warp_part[0] = v;
   }
   __syncthreads();

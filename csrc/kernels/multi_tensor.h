@@ -34,6 +34,13 @@ constexpr uintptr_t kVectorAlignment = 32;
 
 MIXPREC_HOST_DEVICE inline int64_t num_chunks(int64_t numel) { return (numel + kChunkElems - 1) / kChunkElems; }
 
+// Row splits of the CPU's column sums (bias and LayerNorm parameter gradients): blocks of 1024
+// rows, fixed by the shape alone, so the sums do not depend on the thread count.
+constexpr int64_t kCpuRowsPerSplit = 1024;
+inline int64_t cpu_row_splits(int64_t rows) {
+  return rows <= kCpuRowsPerSplit ? 1 : (rows + kCpuRowsPerSplit - 1) / kCpuRowsPerSplit;
+}
+
 // A group of tensors sharing one dtype per list: the unit a kernel is instantiated for. Lists
 // hold raw data pointers; list k's tensor i has the same numel as every other list's tensor i.
 struct TensorGroup {

@@ -72,6 +72,19 @@ TORCH_LIBRARY(mixprec, m) {
   // gradient tiles the GEMM reads anyway); elsewhere torch's mm and linear_bias_grad.
   m.def("linear_weight_bias_grad(Tensor grad, Tensor input) -> (Tensor, Tensor)");
 
+  // ---- LayerNorm over the last dimension (kernels/layer_norm.*) ---------------------------------
+  // input [rows, C] contiguous fp32/fp16/bf16, weight and bias [C] of its dtype or None ->
+  // (out like input, mean [rows] fp32, rstd [rows] fp32), rstd = 1 / sqrt(biased var + eps).
+  m.def("layer_norm_forward(Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)");
+  // From the forward's mean and rstd: (grad_input, grad_weight, grad_bias), each computed only
+  // where output_mask says (undefined otherwise); the parameter gradients are deterministic fp32 sums.
+  m.def(
+      "layer_norm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, Tensor? weight, "
+      "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  // torch.nn.functional.layer_norm on those two ops, differentiable; float64, and on CUDA a
+  // normalized size past 12288, use torch's LayerNorm.
+  m.def("layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor");
+
   // ---- fused optimizers (kernels/<family>.*) -------------------------------------------------
   // Shared by every family: params (any float dtype) are updated in place; with master_params
   // (fp32, one per param) the master is the weight and params receive its rounding, in the same

@@ -131,6 +131,16 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _ops.linear(input, weight, bias)
 
 
+def layer_norm(input: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
+               bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
+    """``torch.nn.functional.layer_norm`` on mixprec's kernels: one warp per row, statistics and
+    gradients in float32, and the weight and bias gradients as deterministic sums accumulated
+    while the input gradient is computed. float64 inputs, and on CUDA normalized sizes past
+    12288, use torch's LayerNorm. The autograd node is C++, as torch's is."""
+    shape = [int(normalized_shape)] if isinstance(normalized_shape, int) else [int(d) for d in normalized_shape]
+    return _ops.layer_norm(input, shape, weight, bias, float(eps))
+
+
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies every tensor in place by the device scalar ``scale`` (e.g. a clip coefficient)."""
     (tensors,) = local_lists("scale_", (tensors,))

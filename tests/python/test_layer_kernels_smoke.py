@@ -1,5 +1,6 @@
 # Smoke test of benchmarks/layer_kernels.py on the CPU: every candidate bias gradient passes its
-# float64 check and is timed, LayerNorm's rows appear, and the JSON holds them (the CUDA figures
+# float64 check and is timed, the weight+bias and LayerNorm rows (torch's and mixprec's) appear,
+# and the JSON holds them (the CUDA figures
 # are the script's purpose and come from the GPU machine).
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def test_cpu_quick_run_checks_and_times_every_candidate(tmp_path, capsys):
     assert len(bias) == 2 * 4 * len(layer_kernels.candidates(256))  # 2 dtypes x 4 Linears of a block
     assert all(r["us"] > 0 and r["rel_err"] < 1e-2 and r["calls"] == 12 for r in bias)
     norms = [r for r in results if r["kernel"].startswith("layer_norm")]
-    assert len(norms) == 4 and all(r["calls"] == 25 for r in norms)
+    assert len(norms) == 2 * 2 * 2 and all(r["calls"] == 25 for r in norms)  # dtypes x passes x torch/mixprec
+    assert {r["candidate"] for r in norms} == {"torch", "mixprec.layer_norm"}
+    params = [r for r in results if r["kernel"].startswith("weight+bias grad")]
+    assert len(params) == 2 * 4 * 3 and all(r["rel_err"] < 1e-2 for r in params)
     assert "bias grad mlp.c_fc" in capsys.readouterr().out
 
 

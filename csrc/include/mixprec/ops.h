@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 
+#include <array>
 #include <optional>
 #include <tuple>
 
@@ -114,6 +115,44 @@ inline at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
   using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::linear", "").typed<Sig>();
   return op.call(input, weight, bias);
+}
+
+// ---- LayerNorm ----------------------------------------------------------------------------------
+// input [rows, C] contiguous (fp32/fp16/bf16), weight and bias [C] of its dtype or none ->
+// (out, mean [rows] fp32, rstd [rows] fp32).
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(const at::Tensor& input,
+                                                                         const std::optional<at::Tensor>& weight,
+                                                                         const std::optional<at::Tensor>& bias,
+                                                                         double eps = 1e-5) {
+  using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                             const std::optional<at::Tensor>&, double);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::layer_norm_forward", "").typed<Sig>();
+  return op.call(input, weight, bias, eps);
+}
+
+// (grad_input, grad_weight, grad_bias) from layer_norm_forward's mean and rstd; a gradient whose
+// output_mask entry is false comes back undefined.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& grad_out,
+                                                                          const at::Tensor& input,
+                                                                          const at::Tensor& mean,
+                                                                          const at::Tensor& rstd,
+                                                                          const std::optional<at::Tensor>& weight,
+                                                                          std::array<bool, 3> output_mask) {
+  using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                             const at::Tensor&, const std::optional<at::Tensor>&,
+                                                             std::array<bool, 3>);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::layer_norm_backward", "").typed<Sig>();
+  return op.call(grad_out, input, mean, rstd, weight, output_mask);
+}
+
+// torch::nn::functional::layer_norm, differentiable, on the two ops above.
+inline at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                             const std::optional<at::Tensor>& weight = std::nullopt,
+                             const std::optional<at::Tensor>& bias = std::nullopt, double eps = 1e-5) {
+  using Sig = at::Tensor(const at::Tensor&, at::IntArrayRef, const std::optional<at::Tensor>&,
+                         const std::optional<at::Tensor>&, double);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::layer_norm", "").typed<Sig>();
+  return op.call(input, normalized_shape, weight, bias, eps);
 }
 
 // ---- fused optimizer steps --------------------------------------------------------------------

@@ -1,14 +1,14 @@
 // CUDA kernels of the bias gradient (kernels/bias_grad.h). Pass 1: a block owns a tile of columns
 // (32 lanes x one 16-byte vector each) and a split of the rows; 8 row groups of 32 lanes walk
 // the split's rows (each warp reads 512 contiguous bytes of one row), their fp32 sums are added
-// in shared memory and written as the split's partials. Pass 2: a block owns 32 columns; its 8
-// row groups each add every 8th split's partials (coalesced 128-byte reads), and the 8 sums are
-// added in group order and rounded once. Both orders are fixed, so the result is too.
+// in shared memory and written as the split's partials. Pass 2 (column_sum.cuh) adds each
+// column's partials in a fixed order and rounds once, so the result is deterministic.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 
 #include "kernels/bias_grad.h"
+#include "kernels/column_sum.cuh"
 #include "kernels/multi_tensor.cuh"
 
 namespace mixprec::kernels {
@@ -59,26 +59,6 @@ __global__ void __launch_bounds__(kLanes* kRowGroups) bias_grad_partials_kernel(
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kLanes* kRowGroups) bias_grad_finish_kernel(const BiasGradParams p) {
-  const int lane = threadIdx.x, group = threadIdx.y;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kLanes + lane;
-  float s = 0.f;
-  if (c < p.cols) {
-#pragma unroll 4
-    for (int64_t k = group; k < p.splits; k += kRowGroups) s += p.partials[k * p.cols + c];
-  }
-  __shared__ float sums[kRowGroups][kLanes];
-  sums[group][lane] = s;
-  __syncthreads();
-  if (group == 0 && c < p.cols) {
-    float total = 0.f;
-#pragma unroll
-    for (int g = 0; g < kRowGroups; ++g) total += sums[g][lane];
-    static_cast<T*>(p.out)[c] = from_float<T>(total);
-  }
-}
-
 int64_t column_tiles(DType dtype, int64_t cols) {
   const int64_t per_tile = kLanes * (dtype == DType::kFloat32 ? 4 : 8);
   return (cols + per_tile - 1) / per_tile;
@@ -102,9 +82,12 @@ void bias_grad_cuda(const BiasGradParams& p, Stream stream) {
     const dim3 grid(static_cast<unsigned>(column_tiles(p.dtype, p.cols)), static_cast<unsigned>(p.splits));
     bias_grad_partials_kernel<T><<<grid, dim3(kLanes, kRowGroups), 0, stream>>>(p, vec_ok);
     MIXPREC_CUDA_CHECK(cudaGetLastError());
-    const auto blocks = static_cast<unsigned>((p.cols + kLanes - 1) / kLanes);
-    bias_grad_finish_kernel<T><<<blocks, dim3(kLanes, kRowGroups), 0, stream>>>(p);
-    MIXPREC_CUDA_CHECK(cudaGetLastError());
+    ColumnFinish finish;
+    finish.partials = p.partials;
+    finish.splits = p.splits;
+    finish.cols = p.cols;
+    finish.out[0] = p.out;
+    launch_column_finish<T>(finish, 1, stream);
   });
 }
 

@@ -8,7 +8,7 @@ namespace mixprec::detail {
 namespace {
 
 int64_t cpu_splits(kernels::DType /*dtype*/, int64_t rows, int64_t /*cols*/) {
-  return kernels::bias_grad_cpu_splits(rows);
+  return kernels::cpu_row_splits(rows);
 }
 
 void run(const kernels::BiasGradParams& p) {

@@ -26,7 +26,7 @@ constexpr int64_t kWorkspaceBytes = 32 << 20;
 
 void check_lt(cublasStatus_t status, const char* call) {
   TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "mixprec::", kOp, ": ", call, " failed with cuBLAS status ",
-              static_cast<int>(status));
+              num(static_cast<int64_t>(status)));
 }
 
 // Owners of cuBLASLt's descriptors, destroyed on every exit path.

@@ -12,6 +12,7 @@ import torch
 
 from ..distributed import has_dtensor_params
 from ._casts import apply_registry, patch_forward
+from ._layers import use_layer_kernels
 from ._optimizer import refresh_masters_from_model
 from ._process import process_optimizer
 from ._properties import LOW_DTYPES, Properties, logger, opt_levels, warn_or_err
@@ -46,7 +47,8 @@ def _check_loss_scale_bounds(min_loss_scale: Any, max_loss_scale: Any) -> None:
 def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.**24,
-               *, dtype: Optional[torch.dtype] = None, scale_history: int = 0, process_group: Any = None):
+               *, dtype: Optional[torch.dtype] = None, scale_history: int = 0, process_group: Any = None,
+               layer_kernels: Optional[bool] = None):
     """Initializes models and optimizers for mixed precision, as ``apex.amp.initialize`` did.
 
     Returns the models and optimizers in the shape given (one, a list, or the model alone when
@@ -73,7 +75,11 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     over ``process_group`` (None: the world group; ``mixprec.distributed.LOCAL``: none), so all
     ranks skip the same steps: wrap the model in DistributedDataParallel after this call
     (docs/distributed.md). Under FSDP2, O2/O3 go through ``fully_shard``'s MixedPrecisionPolicy
-    (``mixprec.distributed.mixed_precision_policy``) instead.
+    (``mixprec.distributed.mixed_precision_policy``) instead. ``layer_kernels`` (default: on
+    where the model is cast, O2 and O3) turns every plain ``nn.Linear`` and ``nn.LayerNorm`` into
+    a subclass that runs on mixprec's layer kernels (:func:`mixprec.linear`,
+    :func:`mixprec.layer_norm`): the same math, faster bias and LayerNorm gradients; pass False to
+    keep torch's.
 
     Overrides are validated as Apex did (an O1 with master weights, a patched-function request
     outside O1, ... raise RuntimeError). Overflowing steps are skipped on the device with no
@@ -95,6 +101,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"amp.initialize: cast_model_outputs must be a floating dtype, got {cast_model_outputs!r}")
     low = _resolve_dtype(dtype, cast_model_type)
+    if layer_kernels is not None and not isinstance(layer_kernels, bool):
+        raise TypeError(f"amp.initialize: layer_kernels must be True, False or None, got {layer_kernels!r}")
 
     props = opt_levels[opt_level](Properties(), low)
     _maybe_log(f"Selected optimization level {opt_levels[opt_level].brief}", verbosity)
@@ -116,7 +124,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                     "cast_model_type=torch.float16/bfloat16).")
     _maybe_log("After processing overrides, optimization options are:\n" +
                "\n".join(f"{k:22} : {v}" for k, v in props.options.items()) + f"\n{'dtype':22} : {low}", verbosity)
-    return _initialize(models, optimizers, props, low, num_losses, cast_model_outputs, scale_history)
+    return _initialize(models, optimizers, props, low, num_losses, cast_model_outputs, scale_history,
+                       layer_kernels)
 
 
 def _is_bn(module: torch.nn.Module) -> bool:
@@ -160,7 +169,7 @@ def _as_list(value, what: str, cls) -> tuple[list, bool]:
 
 
 def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_losses: int,
-                cast_model_outputs, scale_history: int):
+                cast_model_outputs, scale_history: int, layer_kernels: Optional[bool] = None):
     models, models_was_list = _as_list(models, "models", torch.nn.Module)
     if optimizers is None:
         optimizers, optimizers_was_list = [], False
@@ -200,6 +209,13 @@ def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_los
                             originals[p] = p.detach().clone()
         for model in models:
             convert_network(model, cast, keep_bn)
+    if layer_kernels and cast is None:
+        # autocast (O1) does not know mixprec's ops: the layers would run in fp32.
+        raise ValueError(f"amp.initialize: layer_kernels=True needs a model cast to float16 or bfloat16 (O2, O3); "
+                         f"opt_level {props.opt_level} does not cast it")
+    if layer_kernels if layer_kernels is not None else cast is not None:
+        for model in models:
+            use_layer_kernels(model)
     output_dtype = cast_model_outputs
     for model in models:
         if props.patch_torch_functions:
