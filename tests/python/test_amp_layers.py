@@ -1,7 +1,8 @@
 # amp.initialize's layer kernels: O2/O3 turn plain nn.Linear and nn.LayerNorm into subclasses that
 # run on mixprec.linear / mixprec.layer_norm (and leave subclasses, O0/O1 and layer_kernels=False
 # alone); a model trained that way tracks one trained on torch's layers; state dicts, deep copies
-# and pickles are unchanged; bad values of the keyword are refused.
+# and pickles are unchanged; torch.compile traces through them; bad values of the keyword are
+# refused.
 from __future__ import annotations
 
 import copy
@@ -98,3 +99,16 @@ def test_state_dict_copy_and_pickle_are_unchanged():
     x = torch.randn(4, 16).bfloat16()
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_runs_the_layer_kernels(backend):
+    # The ops have fake (Meta) kernels and a C++ autograd node: AOTAutograd traces through them.
+    torch._dynamo.reset()
+    model = amp.initialize(make(0), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(8, 16)
+    eager = model(x)
+    compiled = torch.compile(model, backend=backend)(x)
+    assert torch.equal(compiled, eager)
+    compiled.float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
