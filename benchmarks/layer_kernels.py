@@ -58,6 +58,16 @@ def candidates(rows: int) -> dict:
     return out
 
 
+def check_errors(errs: dict[str, float], peer: str, what: str) -> None:
+    """Refuses (before any timing) a candidate whose float64 error exceeds ERROR_FACTOR times the
+    peer's own, or 1e-2."""
+    bound = min(max(ERROR_FACTOR * errs[peer], 1e-6), 1e-2)
+    for name, e in errs.items():
+        if not e <= bound:
+            raise SystemExit(f"layer_kernels: {name} on {what}: error {e:.3g} against float64 exceeds {bound:.3g} "
+                             f"({peer}: {errs[peer]:.3g})")
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(got.double() - ref) / torch.linalg.vector_norm(ref))
 
@@ -86,11 +96,7 @@ def bench_param_grads(size: str, rows: int, dtype: torch.dtype, device, runs, wa
         for name, fn in fns.items():
             w, b = fn(*pairs[0])
             errs[name] = max(rel_err(w, ref_w), rel_err(b, ref_b))
-        bound = max(ERROR_FACTOR * errs["torch mm + sum(0)"], 1e-6)
-        for name, e in errs.items():
-            if not e <= min(bound, 1e-2):
-                raise SystemExit(f"layer_kernels: {name} on {layer} {dtype}: error {e:.3g} against float64 exceeds "
-                                 f"{min(bound, 1e-2):.3g} (torch's own: {errs['torch mm + sum(0)']:.3g})")
+        check_errors(errs, "torch mm + sum(0)", f"{layer} {dtype}")
         timings = common.time_many(fns, device, runs=runs, warmup=warmup, host_ahead=device.type == "cuda",
                                    arg_sets={name: pairs for name in fns})
         for name, t in timings.items():
@@ -108,11 +114,7 @@ def bench_bias_grads(size: str, rows: int, dtype: torch.dtype, device, copy, run
         ref = grads[0].double().sum(0)
         fns = candidates(rows)
         errs = {name: rel_err(fn(grads[0]), ref) for name, fn in fns.items()}
-        bound = max(ERROR_FACTOR * errs["torch sum(0)"], 1e-6)
-        for name, e in errs.items():
-            if not e <= min(bound, 1e-2):
-                raise SystemExit(f"layer_kernels: {name} on [{rows}, {width}] {dtype}: error {e:.3g} against "
-                                 f"float64 exceeds {min(bound, 1e-2):.3g} (torch's own: {errs['torch sum(0)']:.3g})")
+        check_errors(errs, "torch sum(0)", f"[{rows}, {width}] {dtype}")
         timings = common.time_many(fns, device, runs=runs, warmup=warmup, host_ahead=device.type == "cuda",
                                    arg_sets={name: [(g,) for g in grads] for name in fns})
         nbytes = rows * width * grads[0].element_size()
@@ -156,9 +158,7 @@ def bench_layer_norm(size: str, rows: int, dtype: torch.dtype, device, copy, run
     for name, impl in impls.items():
         x = xs[0].detach().requires_grad_(True)
         errs[name] = rel_err(torch.autograd.grad(impl(x, (width,), weight, bias), x, dys[0])[0], ref)
-    if not errs["mixprec.layer_norm"] <= max(ERROR_FACTOR * errs["torch"], 1e-6):
-        raise SystemExit(f"layer_kernels: mixprec.layer_norm's input gradient on [{rows}, {width}] {dtype}: error "
-                         f"{errs['mixprec.layer_norm']:.3g} against float64 (torch's own: {errs['torch']:.3g})")
+    check_errors(errs, "torch", f"[{rows}, {width}] {dtype} (the input gradient)")
     timings = common.time_many({f"{k}|{n}": fn for (k, n), fn in fns.items()}, device, runs=runs, warmup=warmup,
                                host_ahead=device.type == "cuda",
                                arg_sets={f"{k}|{n}": list(zip(xs, dys)) for (k, n) in fns})

@@ -40,9 +40,7 @@ int64_t check_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_sha
 
 // Whether mixprec's kernels take this input; torch's LayerNorm serves the rest.
 bool kernels_take(const at::Tensor& input, int64_t cols) {
-  const auto d = input.scalar_type();
-  const bool dtype_ok = d == at::kFloat || d == at::kHalf || d == at::kBFloat16;
-  return dtype_ok && cols > 0 && (!input.is_cuda() || cols <= kernels::kLayerNormMaxCudaCols);
+  return has_kernel_dtype(input) && cols > 0 && (!input.is_cuda() || cols <= kernels::kLayerNormMaxCudaCols);
 }
 
 std::optional<at::Tensor> flat(const std::optional<at::Tensor>& t) {

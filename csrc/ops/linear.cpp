@@ -2,10 +2,10 @@
 // linear_bias_grad (kernels/bias_grad.h) instead of torch's generic sum(0). Forward and the two
 // GEMMs of the backward are ATen's own calls, so only the bias gradient's kernel differs. The
 // autograd node is C++, so a step through it costs the host what torch's own linear costs.
-#include <mixprec/ops.h>  // linear_bias_grad, called through the dispatcher as a LibTorch user would
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "ops/linear_grad.h"
 #include "ops/tensor_lists.h"
 
 namespace mixprec::detail {
@@ -28,11 +28,6 @@ void check_linear(const at::Tensor& input, const at::Tensor& weight, const std::
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), arg_name(kOp, "bias"),
                       " must have shape [out_features] = [", num(weight.sym_size(0)), "], got ",
                       shape(bias->sym_sizes()));
-}
-
-bool bias_grad_kernel_takes(const at::Tensor& t) {
-  const auto d = t.scalar_type();
-  return d == at::kFloat || d == at::kHalf || d == at::kBFloat16;
 }
 
 at::Tensor linear_forward(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
@@ -60,10 +55,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     if (ctx->needs_input_grad(0)) grad_input = at::matmul(grad, weight);
     const at::Tensor grad2d = grad.reshape({-1, out_features});
     if (ctx->needs_input_grad(1)) grad_weight = grad2d.t().mm(input.reshape({-1, in_features}));
-    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
-      // float64 (gradcheck) has no kernel of ours: torch's sum serves there.
-      grad_bias = bias_grad_kernel_takes(grad2d) ? mixprec::linear_bias_grad(grad2d) : grad2d.sum(0);
-    }
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) grad_bias = bias_grad_any_dtype(grad2d);
     return {grad_input, grad_weight, grad_bias};
   }
 };

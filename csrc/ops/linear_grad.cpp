@@ -35,13 +35,13 @@ void check_linear_weight_bias_grad(const at::Tensor& grad, const at::Tensor& inp
                     "; both must have the same number of rows");
 }
 
+at::Tensor bias_grad_any_dtype(const at::Tensor& grad) {
+  return has_kernel_dtype(grad) ? mixprec::linear_bias_grad(grad) : grad.sum(0);
+}
+
 std::tuple<at::Tensor, at::Tensor> linear_weight_bias_grad_composite(const at::Tensor& grad, const at::Tensor& input) {
   check_linear_weight_bias_grad(grad, input);
-  at::Tensor grad_weight = grad.t().mm(input);
-  const auto d = grad.scalar_type();
-  const bool our_kernel = d == at::kFloat || d == at::kHalf || d == at::kBFloat16;
-  at::Tensor grad_bias = our_kernel ? mixprec::linear_bias_grad(grad) : grad.sum(0);
-  return {std::move(grad_weight), std::move(grad_bias)};
+  return {grad.t().mm(input), bias_grad_any_dtype(grad)};
 }
 
 TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) {

@@ -22,6 +22,11 @@ kernels::DType kernel_dtype(const at::Tensor& t, const std::string& what) {
   return kernels::DType::kFloat32;  // unreachable: the check above throws
 }
 
+bool has_kernel_dtype(const at::Tensor& t) {
+  const auto d = t.scalar_type();
+  return d == at::kFloat || d == at::kHalf || d == at::kBFloat16;
+}
+
 void check_scalar_tensor(const char* op, const char* arg, const at::Tensor& t, const at::Device& device,
                          at::ScalarType dtype) {
   const std::string what = arg_name(op, arg);

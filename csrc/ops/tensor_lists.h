@@ -16,6 +16,10 @@ namespace mixprec::detail {
 // The kernel dtype of a float tensor; `what` names it in the error ("op: arg[i]").
 kernels::DType kernel_dtype(const at::Tensor& t, const std::string& what);
 
+// Whether t's dtype is one kernel_dtype takes (float32, float16, bfloat16): where an op falls back
+// to torch for the others (float64) instead of refusing them.
+bool has_kernel_dtype(const at::Tensor& t);
+
 // "mixprec::op: arg[i]" or "mixprec::op: arg" (index < 0), the prefix of every error message.
 std::string arg_name(const char* op, const char* arg, int64_t index = -1);
 
