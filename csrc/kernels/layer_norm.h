@@ -16,9 +16,9 @@ namespace mixprec::kernels {
 // row hit the cache), and the backward's weight and bias sums are accumulated per warp in shared
 // memory while the input gradient is computed, then reduced like linear_bias_grad's partials.
 // Measured on an H200 (benchmarks/RESULTS.md): forward 40-48% of copy (torch 30%); forward plus
-// backward 90 us against torch's 148 on 16384 x 768, but 45 against 46 on 4096 x 1280, where
-// each warp gets two rows and the backward is latency-bound (its two shared fp32 rows per warp
-// cap an SM at 16 warps).
+// backward 63.5 us against torch's 144 on 16384 x 768 and 35.8 against 43.2 on 4096 x 1280, where
+// each warp gets two rows and the backward (19 us for 31 MB) is still latency-bound: a warp
+// handles its rows one after the other, and the partial sums' finish is a chain of loads.
 //
 // The math, per row of C values x with mean m and rstd r = 1 / sqrt(var + eps) (the biased
 // variance, two-pass: sum((x - m)^2) / C):

@@ -98,28 +98,48 @@ template <> __device__ __forceinline__ float from_bits<__nv_bfloat16>(uint32_t b
   return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
 }
 
+// The 16 / sizeof(T) elements of one 16-byte word, as fp32 values at r[offset...].
+template <typename T, int N>
+__device__ __forceinline__ void unpack_word(const uint4 v, int offset, float (&r)[N]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if constexpr (sizeof(T) == 4) {
+      r[offset + q] = from_bits<T>(w[q]);
+    } else {
+      r[offset + 2 * q] = from_bits<T>(w[q] & 0xffffu);
+      r[offset + 2 * q + 1] = from_bits<T>(w[q] >> 16);
+    }
+  }
+}
+
+// One 16-byte word of elements starting at i, kept packed (a kernel that holds a row in
+// registers holds half as many fp16 words as floats): one access when the word is inside n and
+// aligned, element-wise with zero bits past n otherwise (zero bits are 0.0 in every dtype).
+template <typename T>
+__device__ __forceinline__ uint4 load_word(const T* p, int64_t i, int n, bool vec_ok) {
+  constexpr int kElems = 16 / sizeof(T);
+  if (vec_ok && i + kElems <= n) return *reinterpret_cast<const uint4*>(p + i);
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+  for (int j = 0; j < kElems; ++j) {
+    // to_bits(to_float(.)) is exact: every T's values are fp32 values.
+    const uint32_t bits = i + j < n ? to_bits<T>(to_float(p[i + j])) : 0u;
+    if constexpr (sizeof(T) == 4) w[j] = bits;
+    else w[j / 2] |= bits << (16 * (j % 2));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Loads N elements starting at i into fp32 registers: 16-byte accesses when the whole vector is
 // inside the chunk and the tensor is aligned, element-wise (zero-filled past n) otherwise.
 template <typename T, int N>
 __device__ __forceinline__ void load(const T* p, int64_t i, int n, bool vec_ok, float (&r)[N]) {
   static_assert((N * sizeof(T)) % 16 == 0, "a vector must be whole 16-byte words");
   if (vec_ok && i + N <= n) {
-    constexpr int kPerWord = 4 / sizeof(T);  // elements per 32-bit word
     const uint4* src = reinterpret_cast<const uint4*>(p + i);
 #pragma unroll
-    for (int k = 0; k < static_cast<int>(N * sizeof(T) / 16); ++k) {
-      const uint4 v = src[k];
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        if constexpr (kPerWord == 1) {
-          r[k * 4 + q] = from_bits<T>(w[q]);
-        } else {
-          r[k * 8 + 2 * q] = from_bits<T>(w[q] & 0xffffu);
-          r[k * 8 + 2 * q + 1] = from_bits<T>(w[q] >> 16);
-        }
-      }
-    }
+    for (int k = 0; k < static_cast<int>(N * sizeof(T) / 16); ++k) unpack_word<T>(src[k], k * (16 / sizeof(T)), r);
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j) r[j] = (i + j < n) ? to_float(p[i + j]) : 0.f;

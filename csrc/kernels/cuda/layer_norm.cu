@@ -1,11 +1,15 @@
 // CUDA kernels of LayerNorm (kernels/layer_norm.h). One warp per row throughout: a row's sums are
-// warp reductions, and the row's later passes re-read it from the cache, so HBM sees each tensor
-// once. The backward's warps also add dy * xhat and dy into private shared-memory rows (a lane
-// always owns the same columns, so there are no atomics); a block then adds its warps' rows in
-// warp order into one row of fp32 partials, and column_sum.cuh adds those in split order.
+// warp reductions, and the row's later passes re-use it (from registers in the backward for rows
+// up to 2048 fp16 columns, from the cache otherwise), so HBM sees each tensor once. The
+// backward's warps also add dy * xhat and dy into private shared-memory rows (a lane always owns
+// the same columns, so there are no atomics); a block then adds its warps' rows in warp order
+// into one row of fp32 partials, and column_sum.cuh adds those in split order.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "kernels/column_sum.cuh"
 #include "kernels/layer_norm.h"
@@ -98,14 +102,28 @@ __global__ void __launch_bounds__(kForwardWarps * 32) layer_norm_forward_kernel(
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kBackwardWarps * 32) layer_norm_backward_kernel(const LayerNormBackwardParams p,
+// A lane's values of stride k of a row: unpacked from the words the kernel holds (kStrides > 0),
+// or loaded (kStrides == 0: any width, a second pass re-reads the row from the cache).
+template <typename T, int kStrides, int kWords>
+__device__ __forceinline__ void row_values(const uint4 (&words)[kWords], const T* row, int k, int c, int n,
+                                           bool vec_ok, float (&r)[row_vector<T>()]) {
+  if constexpr (kStrides > 0) unpack_word<T>(words[k], 0, r);
+  else load<T, row_vector<T>()>(row, c, n, vec_ok, r);
+}
+
+// kStrides > 0 serves rows of at most kStrides * 32 vectors: a warp loads all its row's words
+// into registers at once and both passes use them. Before this (the kStrides == 0 form for every
+// width) each pass walked the row one dependent 16-byte load at a time, and 4096 x 1280 ran
+// latency-bound at a quarter of the copy bandwidth (benchmarks/RESULTS.md).
+template <typename T, int kStrides>
+__global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) layer_norm_backward_kernel(const LayerNormBackwardParams p,
                                                                                  bool vec_ok) {
   constexpr int V = row_vector<T>();
+  constexpr int kWords = kStrides > 0 ? kStrides : 1;
   extern __shared__ float shared_rows[];  // [warps][2][padded cols]: dw, then db, per warp
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n = static_cast<int>(p.cols);
-  const int strides = (n + 32 * V - 1) / (32 * V);  // a lane's vectors per row
+  const int strides = kStrides > 0 ? kStrides : (n + 32 * V - 1) / (32 * V);  // a lane's vectors per row
   const int padded = strides * 32 * V;
   const bool params = p.partials != nullptr;
   float* acc_w = shared_rows + static_cast<int64_t>(warp) * 2 * padded;
@@ -121,12 +139,21 @@ __global__ void __launch_bounds__(kBackwardWarps * 32) layer_norm_backward_kerne
     const T* x = static_cast<const T*>(p.input) + row * p.cols;
     const T* dy = static_cast<const T*>(p.grad_out) + row * p.cols;
     const float mean = p.mean[row], rstd = p.rstd[row];
+    uint4 x_words[kWords], dy_words[kWords];
+    if constexpr (kStrides > 0) {
+#pragma unroll
+      for (int k = 0; k < kStrides; ++k) {
+        x_words[k] = load_word<T>(x, lane * V + k * 32 * V, n, vec_ok);
+        dy_words[k] = load_word<T>(dy, lane * V + k * 32 * V, n, vec_ok);  // zero past n: adds nothing
+      }
+    }
     float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
     for (int k = 0; k < strides; ++k) {
       const int c = lane * V + k * 32 * V;
       float xv[V], dv[V], wv[V];
-      load<T, V>(x, c, n, vec_ok, xv);
-      load<T, V>(dy, c, n, vec_ok, dv);  // zero past the row's end: adds nothing below
+      row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xv);
+      row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
       if (w != nullptr) load<T, V>(w, c, n, vec_ok, wv);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -145,11 +172,12 @@ __global__ void __launch_bounds__(kBackwardWarps * 32) layer_norm_backward_kerne
     const float mean_g = warp_reduce_sum(sum_g) / static_cast<float>(n);
     const float mean_gx = warp_reduce_sum(sum_gx) / static_cast<float>(n);
     T* dx = static_cast<T*>(p.grad_input) + row * p.cols;
+#pragma unroll
     for (int k = 0; k < strides; ++k) {
       const int c = lane * V + k * 32 * V;
       float xv[V], dv[V], wv[V];
-      load<T, V>(x, c, n, vec_ok, xv);
-      load<T, V>(dy, c, n, vec_ok, dv);
+      row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xv);
+      row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
       if (w != nullptr) load<T, V>(w, c, n, vec_ok, wv);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -174,6 +202,33 @@ __global__ void __launch_bounds__(kBackwardWarps * 32) layer_norm_backward_kerne
     p.partials[static_cast<int64_t>(blockIdx.x) * p.cols + c] = sw;
     p.partials[(p.splits + blockIdx.x) * p.cols + c] = sb;
   }
+}
+
+// Rows of up to this many strides (2048 fp16/bf16 or 1024 fp32 columns: GPT-2 small to XL, and
+// the widths of most LLMs' smaller models) take the register-held form; its words cost 8
+// registers a stride.
+constexpr int kMaxRegisterStrides = 8;
+
+template <typename T, int kStrides = kMaxRegisterStrides>
+auto backward_kernel_for(int strides) -> decltype(&layer_norm_backward_kernel<T, 0>) {
+  if constexpr (kStrides == 0) {
+    return &layer_norm_backward_kernel<T, 0>;
+  } else {
+    return strides == kStrides ? &layer_norm_backward_kernel<T, kStrides> : backward_kernel_for<T, kStrides - 1>(strides);
+  }
+}
+
+// Dynamic shared memory beyond the default 48 KB needs an opt-in per kernel and device. It is a
+// host call, set once for each pair rather than on every launch (73 launches a step on GPT-2 large).
+void allow_backward_shared_memory(const void* kernel) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> allowed;
+  int device = 0;
+  MIXPREC_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (allowed.count({kernel, device}) != 0) return;
+  MIXPREC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmemBytes));
+  allowed.insert({kernel, device});
 }
 
 }  // namespace
@@ -209,11 +264,10 @@ void layer_norm_backward_cuda(const LayerNormBackwardParams& p, Stream stream) {
                           aligned16(p.weight) && aligned16(p.grad_input);
       const size_t smem =
           p.partials != nullptr ? static_cast<size_t>(warps) * 2 * padded_cols(p.dtype, p.cols) * sizeof(float) : 0;
-      // More than the default 48 KB needs the opt-in, which is per device: set on every launch.
-      if (smem > 48 * 1024)
-        MIXPREC_CUDA_CHECK(cudaFuncSetAttribute(layer_norm_backward_kernel<T>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmemBytes));
-      layer_norm_backward_kernel<T><<<static_cast<unsigned>(p.splits), warps * 32, smem, stream>>>(p, vec_ok);
+      const int strides = static_cast<int>(padded_cols(p.dtype, p.cols) / (32 * vec_elems<T>()));
+      const auto kernel = backward_kernel_for<T>(strides);
+      if (smem > 48 * 1024) allow_backward_shared_memory(reinterpret_cast<const void*>(kernel));
+      kernel<<<static_cast<unsigned>(p.splits), warps * 32, smem, stream>>>(p, vec_ok);
       MIXPREC_CUDA_CHECK(cudaGetLastError());
     } else if (p.partials != nullptr) {
       // No rows: the parameter gradients are sums of nothing; one split of zeros.
