@@ -9,6 +9,7 @@ large (benchmarks/RESULTS.md) put those kernels at 2.4 ms (bias gradients, 145 c
 
     python benchmarks/layer_kernels.py                    # CUDA if available, else CPU
     python benchmarks/layer_kernels.py --device cpu --quick
+    python benchmarks/layer_kernels.py --sizes large --kernels   # + each LayerNorm kernel's device time
 
 Every candidate is checked against a float64 sum before it is timed; "rel err" is its error
 against that sum, beside the error of torch's own sum(0).
@@ -173,12 +174,44 @@ def bench_layer_norm(size: str, rows: int, dtype: torch.dtype, device, copy, run
     return out
 
 
+def layer_norm_kernel_times(size: str, rows: int, dtype: torch.dtype, device, repeats: int = 50) -> str:
+    """Each kernel of mixprec.layer_norm's forward plus backward, in average device us per call,
+    from torch's profiler: which part of a fwd+bwd figure above the forward, the backward's row
+    pass and its column sum take."""
+    import mixprec
+
+    width = SIZES[size].n_embd
+    x = torch.randn(rows, width, dtype=dtype, device=device, requires_grad=True)
+    dy = torch.randn_like(x)
+    weight = torch.ones(width, dtype=dtype, device=device, requires_grad=True)
+    bias = torch.zeros(width, dtype=dtype, device=device, requires_grad=True)
+
+    def step():
+        torch.autograd.grad(mixprec.layer_norm(x, (width,), weight, bias), (x, weight, bias), dy)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    activity = torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    lines = [f"{size} {str(dtype).replace('torch.', '')} [{rows}, {width}]: mixprec.layer_norm kernels, us per call"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total):
+        lines.append(f"  {e.self_device_time_total / repeats:8.2f}  {e.key[:110]}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_common_args(parser)
     parser.add_argument("--sizes", default=None, help="comma list of small, large (default: both on CUDA; "
                                                       "the CPU runs a quarter of small's rows)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="CUDA: also profile each kernel of mixprec.layer_norm's forward plus backward")
     args = parser.parse_args(argv)
     device = common.resolve_device(parser, args)
     runs, warmup = common.resolve_runs(args)
@@ -206,6 +239,9 @@ def main(argv=None) -> None:
                                      "calls", "ms_per_step"],
                               ["size", "dtype", "kernel", "shape", "candidate", "us", "% copy", "rel err",
                                "calls/step", "ms/step"]))
+    if args.kernels and device.type == "cuda":
+        for size in sizes:
+            print(layer_norm_kernel_times(size, rows_of[size], torch.float16, device))
     if args.out:
         common.write_json(args.out, env, results, copy_bytes_per_s=copy.bytes_per_s)
 
