@@ -16,7 +16,8 @@ namespace mixprec::kernels {
 //
 // Two passes keep the result independent of timing: pass 1 writes one fp32 partial sum per
 // (row split, column) into `partials`; pass 2 adds a column's partials in a fixed order (split
-// order on the CPU; on CUDA every 8th split in order, then those 8 sums in order).
+// order on the CPU; on CUDA every g-th split in order for g = 8 or 32 row groups, then those g
+// sums in order).
 
 struct BiasGradParams {
   DType dtype = DType::kFloat32;  // of grad and out

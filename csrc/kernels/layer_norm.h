@@ -15,10 +15,10 @@ namespace mixprec::kernels {
 // statistics are warp reductions, HBM is read once per pass of the algorithm (re-reads of the
 // row hit the cache), and the backward's weight and bias sums are accumulated per warp in shared
 // memory while the input gradient is computed, then reduced like linear_bias_grad's partials.
-// Measured on an H200 (benchmarks/RESULTS.md): forward 40-48% of copy (torch 30%); forward plus
-// backward 63.5 us against torch's 144 on 16384 x 768 and 35.8 against 43.2 on 4096 x 1280, where
-// each warp gets two rows and the backward (19 us for 31 MB) is still latency-bound: a warp
-// handles its rows one after the other, and the partial sums' finish is a chain of loads.
+// Measured on an H200 (benchmarks/RESULTS.md): forward 47-57% of copy (torch 30%); forward plus
+// backward 59 us against torch's 144 on 16384 x 768 and 34.7 against 43.6 on 4096 x 1280, where
+// each warp gets two rows and the backward (20 us for 31 MB) is latency-bound: ncu counts 15
+// warps an SM (registers and shared memory allow 16) and 0.66 eligible per scheduler.
 //
 // The math, per row of C values x with mean m and rstd r = 1 / sqrt(var + eps) (the biased
 // variance, two-pass: sum((x - m)^2) / C):

@@ -51,28 +51,50 @@ int backward_warps(DType dtype, int64_t cols) {
 
 bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <typename T>
+// A lane's values of stride k of a row: unpacked from the words the kernel holds (kStrides > 0),
+// or loaded (kStrides == 0: any width, a second pass re-reads the row from the cache).
+template <typename T, int kStrides, int kWords>
+__device__ __forceinline__ void row_values(const uint4 (&words)[kWords], const T* row, int k, int c, int n,
+                                           bool vec_ok, float (&r)[row_vector<T>()]) {
+  if constexpr (kStrides > 0) unpack_word<T>(words[k], 0, r);
+  else load<T, row_vector<T>()>(row, c, n, vec_ok, r);
+}
+
+// kStrides > 0 serves rows of at most kStrides * 32 vectors: the warp loads its row's words once
+// into registers and the three passes (sum, squared deviations, output) unpack them; before, each
+// pass walked the row one dependent load at a time (re-reads from the cache, still a latency each).
+template <typename T, int kStrides>
 __global__ void __launch_bounds__(kForwardWarps * 32) layer_norm_forward_kernel(const LayerNormForwardParams p,
                                                                                bool vec_ok) {
   constexpr int V = row_vector<T>();
+  constexpr int kWords = kStrides > 0 ? kStrides : 1;
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kForwardWarps + (threadIdx.x >> 5);
   if (row >= p.rows) return;  // the whole warp: rows are warp-uniform
   const int n = static_cast<int>(p.cols);
+  const int strides = kStrides > 0 ? kStrides : (n + 32 * V - 1) / (32 * V);
   const T* x = static_cast<const T*>(p.input) + row * p.cols;
+  uint4 words[kWords];
+  if constexpr (kStrides > 0) {
+#pragma unroll
+    for (int k = 0; k < kStrides; ++k) words[k] = load_word<T>(x, lane * V + k * 32 * V, n, vec_ok);
+  }
 
   float sum = 0.f;
-  for (int c = lane * V; c < n; c += 32 * V) {
+#pragma unroll
+  for (int k = 0; k < strides; ++k) {
     float v[V];
-    load<T, V>(x, c, n, vec_ok, v);  // zero past the row's end
+    row_values<T, kStrides>(words, x, k, lane * V + k * 32 * V, n, vec_ok, v);  // zero past the row's end
 #pragma unroll
     for (int j = 0; j < V; ++j) sum += v[j];
   }
   const float mean = warp_reduce_sum(sum) / static_cast<float>(n);
   float squares = 0.f;
-  for (int c = lane * V; c < n; c += 32 * V) {
+#pragma unroll
+  for (int k = 0; k < strides; ++k) {
+    const int c = lane * V + k * 32 * V;
     float v[V];
-    load<T, V>(x, c, n, vec_ok, v);
+    row_values<T, kStrides>(words, x, k, c, n, vec_ok, v);
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const float d = c + j < n ? v[j] - mean : 0.f;
@@ -84,9 +106,11 @@ __global__ void __launch_bounds__(kForwardWarps * 32) layer_norm_forward_kernel(
   const T* w = static_cast<const T*>(p.weight);
   const T* b = static_cast<const T*>(p.bias);
   T* y = static_cast<T*>(p.out) + row * p.cols;
-  for (int c = lane * V; c < n; c += 32 * V) {
+#pragma unroll
+  for (int k = 0; k < strides; ++k) {
+    const int c = lane * V + k * 32 * V;
     float v[V], wv[V], bv[V];
-    load<T, V>(x, c, n, vec_ok, v);
+    row_values<T, kStrides>(words, x, k, c, n, vec_ok, v);
     if (w != nullptr) load<T, V>(w, c, n, vec_ok, wv);
     if (b != nullptr) load<T, V>(b, c, n, vec_ok, bv);
 #pragma unroll
@@ -100,15 +124,6 @@ __global__ void __launch_bounds__(kForwardWarps * 32) layer_norm_forward_kernel(
     p.mean[row] = mean;
     p.rstd[row] = rstd;
   }
-}
-
-// A lane's values of stride k of a row: unpacked from the words the kernel holds (kStrides > 0),
-// or loaded (kStrides == 0: any width, a second pass re-reads the row from the cache).
-template <typename T, int kStrides, int kWords>
-__device__ __forceinline__ void row_values(const uint4 (&words)[kWords], const T* row, int k, int c, int n,
-                                           bool vec_ok, float (&r)[row_vector<T>()]) {
-  if constexpr (kStrides > 0) unpack_word<T>(words[k], 0, r);
-  else load<T, row_vector<T>()>(row, c, n, vec_ok, r);
 }
 
 // kStrides > 0 serves rows of at most kStrides * 32 vectors: a warp loads all its row's words
@@ -205,17 +220,39 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) lay
 }
 
 // Rows of up to this many strides (2048 fp16/bf16 or 1024 fp32 columns: GPT-2 small to XL, and
-// the widths of most LLMs' smaller models) take the register-held form; its words cost 8
-// registers a stride.
+// the widths of most LLMs' smaller models) take the register-held forms; their words cost 4
+// registers a stride in the forward (x) and 8 in the backward (x and dy).
 constexpr int kMaxRegisterStrides = 8;
 
-template <typename T, int kStrides = kMaxRegisterStrides>
-auto backward_kernel_for(int strides) -> decltype(&layer_norm_backward_kernel<T, 0>) {
+// The kernel instance for a row of `strides` strides: Kernel<kStrides> for kStrides from
+// kMaxRegisterStrides down to 1, Kernel<0> (the any-width form) past them.
+template <template <int> class Kernel, int kStrides = kMaxRegisterStrides>
+auto kernel_for(int strides) -> decltype(Kernel<0>::value) {
   if constexpr (kStrides == 0) {
-    return &layer_norm_backward_kernel<T, 0>;
+    return Kernel<0>::value;
   } else {
-    return strides == kStrides ? &layer_norm_backward_kernel<T, kStrides> : backward_kernel_for<T, kStrides - 1>(strides);
+    return strides == kStrides ? Kernel<kStrides>::value : kernel_for<Kernel, kStrides - 1>(strides);
   }
+}
+
+template <typename T>
+struct ForwardKernel {
+  template <int kStrides>
+  struct Of {
+    static constexpr auto value = &layer_norm_forward_kernel<T, kStrides>;
+  };
+};
+
+template <typename T>
+struct BackwardKernel {
+  template <int kStrides>
+  struct Of {
+    static constexpr auto value = &layer_norm_backward_kernel<T, kStrides>;
+  };
+};
+
+int row_strides(DType dtype, int64_t cols) {
+  return static_cast<int>(padded_cols(dtype, cols) / (32 * (dtype == DType::kFloat32 ? 4 : 8)));
 }
 
 // Dynamic shared memory beyond the default 48 KB needs an opt-in per kernel and device. It is a
@@ -247,7 +284,8 @@ void layer_norm_forward_cuda(const LayerNormForwardParams& p, Stream stream) {
     const bool vec_ok = p.cols % vec_elems<T>() == 0 && aligned16(p.input) && aligned16(p.out) &&
                         aligned16(p.weight) && aligned16(p.bias);
     const auto blocks = static_cast<unsigned>((p.rows + kForwardWarps - 1) / kForwardWarps);
-    layer_norm_forward_kernel<T><<<blocks, kForwardWarps * 32, 0, stream>>>(p, vec_ok);
+    const auto kernel = kernel_for<ForwardKernel<T>::template Of>(row_strides(p.dtype, p.cols));
+    kernel<<<blocks, kForwardWarps * 32, 0, stream>>>(p, vec_ok);
     MIXPREC_CUDA_CHECK(cudaGetLastError());
   });
 }
@@ -264,8 +302,7 @@ void layer_norm_backward_cuda(const LayerNormBackwardParams& p, Stream stream) {
                           aligned16(p.weight) && aligned16(p.grad_input);
       const size_t smem =
           p.partials != nullptr ? static_cast<size_t>(warps) * 2 * padded_cols(p.dtype, p.cols) * sizeof(float) : 0;
-      const int strides = static_cast<int>(padded_cols(p.dtype, p.cols) / (32 * vec_elems<T>()));
-      const auto kernel = backward_kernel_for<T>(strides);
+      const auto kernel = kernel_for<BackwardKernel<T>::template Of>(row_strides(p.dtype, p.cols));
       if (smem > 48 * 1024) allow_backward_shared_memory(reinterpret_cast<const void*>(kernel));
       kernel<<<static_cast<unsigned>(p.splits), warps * 32, smem, stream>>>(p, vec_ok);
       MIXPREC_CUDA_CHECK(cudaGetLastError());
