@@ -12,9 +12,10 @@ namespace mixprec::kernels {
 // Why kernels of our own: on GPT-2's shapes torch's LayerNorm forward plus backward runs at 20-28%
 // of the H200's copy bandwidth (145 us for a 16384 x 768 fp16 layer; 3.6 ms of a 42 ms O2 step on
 // GPT-2 small, 3.2 ms on large: benchmarks/layer_kernels.py). Here one warp owns a row: its
-// statistics are warp reductions, HBM is read once per pass of the algorithm (re-reads of the
-// row hit the cache), and the backward's weight and bias sums are accumulated per warp in shared
-// memory while the input gradient is computed, then reduced like linear_bias_grad's partials.
+// statistics are warp reductions, HBM is read once (a row's later passes use it from registers
+// or, past 8 strides, from the cache), and the backward's weight and bias sums are accumulated
+// per warp in shared memory while the input gradient is computed, then reduced like
+// linear_bias_grad's partials.
 // Measured on an H200 (benchmarks/RESULTS.md): forward 47-57% of copy (torch 30%); forward plus
 // backward 59 us against torch's 144 on 16384 x 768 and 34.7 against 43.6 on 4096 x 1280, where
 // each warp gets two rows and the backward (20 us for 31 MB) is latency-bound: ncu counts 15

@@ -20,6 +20,9 @@ using Stream = CUstream_st*;
 
 enum class DType : int8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
+// Elements of `dtype` in one 16-byte vector (the host's twin of multi_tensor.cuh's vec_elems<T>).
+constexpr int vector_elems(DType dtype) { return dtype == DType::kFloat32 ? 4 : 8; }
+
 // Every multi-tensor op splits each tensor into chunks of this many elements; a chunk is one
 // CUDA block's work and one CPU task's. 64 Ki elements keeps a block busy for several
 // iterations of 16-byte loads, and per-chunk partial results (norms) small.

@@ -1,7 +1,7 @@
 # Tests of mixprec.layer_norm and its ops (layer_norm_forward / layer_norm_backward) on CPU and CUDA
 # against float64 references, within twice the error of torch's own LayerNorm in the same dtype:
-# widths around the 16-byte vectors and a warp's 32 vectors, every row width the CUDA backward
-# holds in registers and the first past them, GPT-2's widths, several row counts, absent weight or
+# widths around the 16-byte vectors and a warp's 32 vectors, every row width the CUDA kernels
+# hold in registers and the first past them, GPT-2's widths, several row counts, absent weight or
 # bias, several normalized dimensions, non-contiguous and unaligned inputs, inf/NaN, determinism,
 # poisoned outputs, output masks, bad inputs, opcheck, CUDA-graph capture and torch's fallback
 # past the CUDA width limit.
@@ -71,9 +71,9 @@ def test_gpt2_shapes_and_the_widest_on_cuda(dtype, shape, gen):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("strides", range(1, 10))
 def test_every_register_held_row_width_and_the_first_past_them(device, dtype, strides, gen):
-    # The CUDA backward holds rows of up to 8 strides of 32 16-byte vectors in registers, one
-    # kernel per stride count: each count at its widest row and with a short last vector, and
-    # 9 strides (the first width past them, which re-reads the row from the cache).
+    # The CUDA forward and backward hold rows of up to 8 strides of 32 16-byte vectors in
+    # registers, one kernel per stride count: each count at its widest row and with a short last
+    # vector, and 9 strides (the first width past them, which re-reads the row from the cache).
     lane_cols = 32 * (16 // torch.empty((), dtype=dtype).element_size())
     for cols in (strides * lane_cols, strides * lane_cols - 3) if strides <= 8 else (8 * lane_cols + 1,):
         x, dy = (random_tensor((37, cols), dtype, device, gen) for _ in range(2))

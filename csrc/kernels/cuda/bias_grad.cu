@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kLanes* kRowGroups) bias_grad_partials_kernel(
 }
 
 int64_t column_tiles(DType dtype, int64_t cols) {
-  const int64_t per_tile = kLanes * (dtype == DType::kFloat32 ? 4 : 8);
+  const int64_t per_tile = kLanes * vector_elems(dtype);
   return (cols + per_tile - 1) / per_tile;
 }
 

@@ -1,6 +1,6 @@
 // CUDA kernels of LayerNorm (kernels/layer_norm.h). One warp per row throughout: a row's sums are
-// warp reductions, and the row's later passes re-use it (from registers in the backward for rows
-// up to 2048 fp16 columns, from the cache otherwise), so HBM sees each tensor once. The
+// warp reductions, and the row's later passes re-use it (from registers for rows up to 2048
+// fp16/bf16 or 1024 fp32 columns, from the cache otherwise), so HBM sees each tensor once. The
 // backward's warps also add dy * xhat and dy into private shared-memory rows (a lane always owns
 // the same columns, so there are no atomics); a block then adds its warps' rows in warp order
 // into one row of fp32 partials, and column_sum.cuh adds those in split order.
@@ -39,9 +39,14 @@ __device__ __forceinline__ int shared_slot(int k, int j, int lane) {
   return (k * row_vector<T>() + j) * 32 + lane;
 }
 
+// A row's strides: 32 lanes x one 16-byte vector each.
+int row_strides(DType dtype, int64_t cols) {
+  const int64_t stride = 32 * vector_elems(dtype);
+  return static_cast<int>((cols + stride - 1) / stride);
+}
+
 int64_t padded_cols(DType dtype, int64_t cols) {
-  const int64_t stride = 32 * (dtype == DType::kFloat32 ? 4 : 8);
-  return (cols + stride - 1) / stride * stride;
+  return int64_t{row_strides(dtype, cols)} * 32 * vector_elems(dtype);
 }
 
 int backward_warps(DType dtype, int64_t cols) {
@@ -250,10 +255,6 @@ struct BackwardKernel {
     static constexpr auto value = &layer_norm_backward_kernel<T, kStrides>;
   };
 };
-
-int row_strides(DType dtype, int64_t cols) {
-  return static_cast<int>(padded_cols(dtype, cols) / (32 * (dtype == DType::kFloat32 ? 4 : 8)));
-}
 
 // Dynamic shared memory beyond the default 48 KB needs an opt-in per kernel and device. It is a
 // host call, set once for each pair rather than on every launch (73 launches a step on GPT-2 large).
