@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <mutex>
 #include <set>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/column_sum.cuh"
@@ -229,32 +230,17 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) lay
 // registers a stride in the forward (x) and 8 in the backward (x and dy).
 constexpr int kMaxRegisterStrides = 8;
 
-// The kernel instance for a row of `strides` strides: Kernel<kStrides> for kStrides from
-// kMaxRegisterStrides down to 1, Kernel<0> (the any-width form) past them.
-template <template <int> class Kernel, int kStrides = kMaxRegisterStrides>
-auto kernel_for(int strides) -> decltype(Kernel<0>::value) {
+// The kernel instance for a row of `strides` strides: kernel_of(std::integral_constant<int, k>)
+// for k = strides from kMaxRegisterStrides down to 1, k = 0 (the any-width form) past them.
+template <int kStrides = kMaxRegisterStrides, typename KernelOf>
+auto kernel_for(int strides, KernelOf kernel_of) {
   if constexpr (kStrides == 0) {
-    return Kernel<0>::value;
+    return kernel_of(std::integral_constant<int, 0>{});
   } else {
-    return strides == kStrides ? Kernel<kStrides>::value : kernel_for<Kernel, kStrides - 1>(strides);
+    return strides == kStrides ? kernel_of(std::integral_constant<int, kStrides>{})
+                               : kernel_for<kStrides - 1>(strides, kernel_of);
   }
 }
-
-template <typename T>
-struct ForwardKernel {
-  template <int kStrides>
-  struct Of {
-    static constexpr auto value = &layer_norm_forward_kernel<T, kStrides>;
-  };
-};
-
-template <typename T>
-struct BackwardKernel {
-  template <int kStrides>
-  struct Of {
-    static constexpr auto value = &layer_norm_backward_kernel<T, kStrides>;
-  };
-};
 
 // Dynamic shared memory beyond the default 48 KB needs an opt-in per kernel and device. It is a
 // host call, set once for each pair rather than on every launch (73 launches a step on GPT-2 large).
@@ -285,7 +271,8 @@ void layer_norm_forward_cuda(const LayerNormForwardParams& p, Stream stream) {
     const bool vec_ok = p.cols % vec_elems<T>() == 0 && aligned16(p.input) && aligned16(p.out) &&
                         aligned16(p.weight) && aligned16(p.bias);
     const auto blocks = static_cast<unsigned>((p.rows + kForwardWarps - 1) / kForwardWarps);
-    const auto kernel = kernel_for<ForwardKernel<T>::template Of>(row_strides(p.dtype, p.cols));
+    const auto kernel = kernel_for(row_strides(p.dtype, p.cols),
+                                   [](auto k) { return &layer_norm_forward_kernel<T, decltype(k)::value>; });
     kernel<<<blocks, kForwardWarps * 32, 0, stream>>>(p, vec_ok);
     MIXPREC_CUDA_CHECK(cudaGetLastError());
   });
@@ -303,7 +290,8 @@ void layer_norm_backward_cuda(const LayerNormBackwardParams& p, Stream stream) {
                           aligned16(p.weight) && aligned16(p.grad_input);
       const size_t smem =
           p.partials != nullptr ? static_cast<size_t>(warps) * 2 * padded_cols(p.dtype, p.cols) * sizeof(float) : 0;
-      const auto kernel = kernel_for<BackwardKernel<T>::template Of>(row_strides(p.dtype, p.cols));
+      const auto kernel = kernel_for(row_strides(p.dtype, p.cols),
+                                     [](auto k) { return &layer_norm_backward_kernel<T, decltype(k)::value>; });
       if (smem > 48 * 1024) allow_backward_shared_memory(reinterpret_cast<const void*>(kernel));
       kernel<<<static_cast<unsigned>(p.splits), warps * 32, smem, stream>>>(p, vec_ok);
       MIXPREC_CUDA_CHECK(cudaGetLastError());
