@@ -163,3 +163,68 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
 
 def fresh(model0: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model0)
+
+
+# -- "a refused call changes nothing": everything amp, models and optimizers hold --------------------
+def _tree(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.detach().cpu().clone())
+    if isinstance(value, dict):
+        return {k: _tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_tree(v) for v in value]
+    return value
+
+
+def amp_world(models=(), optimizers=()) -> dict:
+    """A deep copy of every value a refused amp call must leave alone: amp's globals (options,
+    each loss scaler's device values and settings), each model's params, grads and buffers
+    (with dtypes), each optimizer's param groups, state and amp stash flags, and which methods
+    are patched."""
+    from mixprec.amp import _amp_state
+
+    props = _amp_state.opt_properties
+    world = {
+        "options": None if props is None else dict(props.options),
+        "verbosity": _amp_state.verbosity, "dtype": _amp_state.dtype, "handle": id(_amp_state.handle),
+        "process_group": _amp_state.process_group, "deferred": len(_amp_state.deferred_updates),
+        "scalers": [(id(s), s.dynamic, s.state.get_scale(), s.state.get_growth_tracker(),
+                     s.state.get_hysteresis_tracker(), s.state.get_skipped(), s.state.hysteresis,
+                     s.state.min_scale, s.state.max_scale) for s in _amp_state.loss_scalers],
+        "models": [[(n, _tree(p), _tree(p.grad)) for n, p in m.named_parameters()]
+                   + [(n, _tree(b)) for n, b in m.named_buffers()]
+                   + [("forward patched", "forward" in m.__dict__)] for m in models],
+        "optimizers": [],
+    }
+    for o in optimizers:
+        stash = getattr(o, "_amp_stash", None)
+        flags = None if stash is None else (stash.kind, stash.params_have_scaled_gradients, stash.poisoned,
+                                            stash.unfinished is not None, _tree(stash.found))
+        world["optimizers"].append((_tree(o.state_dict()), flags, "step" in o.__dict__,
+                                    [_tree([(p, p.grad) for p in g["params"]]) for g in o.param_groups]))
+    return world
+
+
+def assert_same_world(before: dict, after: dict, path: str = "world") -> None:
+    """Bitwise comparison of two amp_world() results (NaN equal to NaN), naming the first difference."""
+    if isinstance(before, tuple) and before and before[0] == "tensor":
+        assert isinstance(after, tuple) and after[:3] == before[:3], f"{path}: {after[:3]} != {before[:3]}"
+        a, b = before[3], after[3]
+        if a.is_floating_point():
+            a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+        assert torch.equal(a, b), f"{path}: values changed"
+        return
+    if isinstance(before, dict):
+        assert isinstance(after, dict) and before.keys() == after.keys(), f"{path}: keys differ"
+        for k in before:
+            assert_same_world(before[k], after[k], f"{path}[{k!r}]")
+        return
+    if isinstance(before, (list, tuple)):
+        assert isinstance(after, (list, tuple)) and len(before) == len(after), f"{path}: length differs"
+        for i, (x, y) in enumerate(zip(before, after)):
+            assert_same_world(x, y, f"{path}[{i}]")
+        return
+    if isinstance(before, float) and math.isnan(before):
+        assert isinstance(after, float) and math.isnan(after), f"{path}: {after!r} != nan"
+        return
+    assert before == after, f"{path}: {after!r} != {before!r}"

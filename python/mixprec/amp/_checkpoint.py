@@ -4,6 +4,7 @@ their fp32 master weights, which Apex lost) and scalers together, validated befo
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from ._optimizer import SWAP
 from ._scaler import _amp_state
 
 FORMAT = "mixprec.amp.checkpoint"
+_INT32_MAX = 2**31 - 1
 VERSION = 1
 
 
@@ -52,7 +54,8 @@ def _validated_scalers(state: Any, where: str) -> list[tuple[int, dict, dict]]:
         if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
             raise ValueError(f"{where}[{key!r}] must be a dict with 'loss_scale' and 'unskipped'")
         _check_number(f"{where}[{key!r}]['loss_scale']", entry["loss_scale"], lo=0, lo_open=True)
-        _check_number(f"{where}[{key!r}]['unskipped']", entry["unskipped"], integer=True, lo=0)
+        # The growth tracker is an int32 on the device: a larger count could not be stored.
+        _check_number(f"{where}[{key!r}]['unskipped']", entry["unskipped"], integer=True, lo=0, hi=_INT32_MAX)
         out.append((idx, entry, validate_extra_state(entry, f"{where}[{key!r}]")))
     return out
 
@@ -177,15 +180,28 @@ def _validate_optimizer(i: int, opt: torch.optim.Optimizer, saved: Any, masters:
             raise ValueError(f"{where}[{j}] must be a float32 tensor of shape {tuple(cur.shape)}")
 
 
+def _read(source: Any, where: str) -> Any:
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch's own message ("negative seek value", ...) does not say what is wrong
+        name = source if isinstance(source, (str, os.PathLike)) else type(source).__name__
+        raise ValueError(f"{where}: checkpoint {name} could not be read as a torch.save file (truncated, corrupt, "
+                         f"or holding more than tensors and plain data): {err}") from err
+
+
 def load_checkpoint_state(checkpoint: Any, models, optimizers=None) -> None:
     """Restores what :func:`checkpoint_state` saved into models and optimizers that went through
-    ``amp.initialize`` with the same opt level and dtype. Everything is validated first: a
+    ``amp.initialize`` with the same opt level and dtype. ``checkpoint`` is the dict (as
+    ``torch.load(path, weights_only=True)`` returns it), or a path or binary file to read it
+    from (with ``weights_only=True``, onto the CPU; a file that cannot be read raises ValueError). Everything is validated first: a
     corrupt or mismatched checkpoint raises ValueError and changes nothing. Training then
     continues bit-identically to a run that never stopped (given the same data and RNG)."""
     _require_initialized()
     models = _listify(models, torch.nn.Module)
     optimizers = _listify(optimizers, torch.optim.Optimizer)
     where = "amp.load_checkpoint_state"
+    if isinstance(checkpoint, (str, os.PathLike)) or hasattr(checkpoint, "read"):
+        checkpoint = _read(checkpoint, where)
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
         raise ValueError(f"{where}: not a mixprec.amp checkpoint (made by amp.checkpoint_state)")
     if checkpoint.get("version") != VERSION:
@@ -209,17 +225,54 @@ def load_checkpoint_state(checkpoint: Any, models, optimizers=None) -> None:
         _validate_optimizer(i, o, saved, masters)
     scalers = _validated_scalers(checkpoint["amp"], f"{where}: checkpoint['amp']")
 
-    # Optimizers first: their own loaders check what is left and raise before changing anything;
-    # if a later one fails, the earlier ones are put back.
-    previous = []
+    # All of it or nothing: the loaders below still check what the validation above cannot (an
+    # optimizer's own rules, a module's set_extra_state), so what they change is put back if
+    # any of them raises.
+    undo = _snapshot(models, optimizers)
     try:
-        for o, saved in zip(optimizers, checkpoint["optimizers"]):
-            previous.append((o, o.state_dict()))
-            o.load_state_dict(saved)
-    except Exception:
-        for o, old in previous[:-1]:
-            o.load_state_dict(old)
+        _load_validated(checkpoint, models, optimizers)
+        _apply_scalers(scalers)
+    except BaseException:
+        _restore(undo, models, optimizers)
         raise
+
+
+def _clone_tree(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return type(value)((k, _clone_tree(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone_tree(v) for v in value)
+    return value
+
+
+def _snapshot(models: list, optimizers: list) -> tuple:
+    """Copies of what load_checkpoint_state changes (a loader may update tensors in place)."""
+    scalers = [((s.state.get_scale(), s.state.get_growth_tracker(), s.state.get_hysteresis_tracker(),
+                 s.state.get_skipped()), (s.state.hysteresis, s.state.min_scale, s.state.max_scale))
+               for s in _amp_state.loss_scalers]
+    return ([_clone_tree(m.state_dict()) for m in models], [_clone_tree(o.state_dict()) for o in optimizers],
+            [[m.detach().clone() for m in _swap_masters(o)] for o in optimizers], scalers)
+
+
+def _restore(undo: tuple, models: list, optimizers: list) -> None:
+    model_states, optimizer_states, masters, scalers = undo
+    with torch.no_grad(), _optimizer.refresh_suspended():
+        for m, saved in zip(models, model_states):
+            m.load_state_dict(saved)
+        for o, saved, ms in zip(optimizers, optimizer_states, masters):
+            o.load_state_dict(saved)
+            for cur, old in zip(_swap_masters(o), ms):
+                cur.copy_(old)
+    for s, (values, (hysteresis, min_scale, max_scale)) in zip(_amp_state.loss_scalers, scalers):
+        s.state.hysteresis, s.state.min_scale, s.state.max_scale = hysteresis, min_scale, max_scale
+        s.state.set_values(*values)
+
+
+def _load_validated(checkpoint: dict, models: list, optimizers: list) -> None:
+    for o, saved in zip(optimizers, checkpoint["optimizers"]):
+        o.load_state_dict(saved)
     with torch.no_grad(), _optimizer.refresh_suspended():
         # The masters come from the checkpoint, not from the (rounded) model values.
         for m, saved in zip(models, checkpoint["models"]):
@@ -230,4 +283,3 @@ def load_checkpoint_state(checkpoint: Any, models, optimizers=None) -> None:
                 for cur, saved_m, low in zip(stash.low_masters, masters, stash.low_params):
                     cur.copy_(saved_m)
                     low.copy_(cur)
-    _apply_scalers(scalers)

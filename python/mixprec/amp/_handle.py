@@ -41,10 +41,28 @@ def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bo
     return _ScaleLoss(loss, optimizers, loss_id, delay_unscale, delay_overflow_check)
 
 
+def _optimizer_list(optimizers) -> list:
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers]
+    if isinstance(optimizers, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        if not optimizers:
+            # Nothing would unscale the gradients this backward makes: refuse before scaling.
+            raise ValueError("amp.scale_loss: optimizers is empty; pass the optimizer (or list of optimizers) "
+                             "whose parameters this loss's backward reaches, as returned by amp.initialize")
+        return list(optimizers)
+    raise TypeError("amp.scale_loss: optimizers must be an optimizer returned by amp.initialize, or a list of "
+                    f"them, got {type(optimizers).__name__}")
+
+
 class _ScaleLoss:
     """scale_loss's context manager. A class rather than a contextlib generator, which costs
     several Python calls more on every step; everything still happens on entering and exiting
-    the ``with`` block, as with the generator."""
+    the ``with`` block, as with the generator.
+
+    Each block it opens is recorded on its optimizers' stashes (``unfinished``) until its
+    gradients are unscaled, so that nothing can step on scaled gradients: a ``step()`` (or
+    ``amp.master_params``) reached while the block is open, or after ``delay_unscale=True``
+    blocks that no final block closed, completes it first (:meth:`complete`)."""
 
     __slots__ = ("loss", "optimizers", "loss_id", "delay_unscale", "delay_overflow_check", "stashes", "scaler",
                  "scale", "unit", "active")
@@ -52,7 +70,8 @@ class _ScaleLoss:
     def __init__(self, loss, optimizers, loss_id: int, delay_unscale: bool, delay_overflow_check: bool) -> None:
         self.loss, self.optimizers, self.loss_id = loss, optimizers, loss_id
         self.delay_unscale, self.delay_overflow_check = delay_unscale, delay_overflow_check
-        self.active = False  # True once __enter__ has prepared a scaled backward for __exit__ to finish
+        self.active = False  # True from __enter__ until the backward it prepared is finished or aborted
+        self.stashes: list = []
 
     def __enter__(self) -> torch.Tensor:
         props = _amp_state.opt_properties
@@ -60,18 +79,21 @@ class _ScaleLoss:
             raise RuntimeError("Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
                                "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called "
                                "before `with amp.scale_loss`.")
-        options = props.options  # the dict behind Properties' attributes, read without its __getattr__
         loss = self.loss
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"amp.scale_loss: loss must be the tensor to call .backward() on, got "
+                            f"{type(loss).__name__} (a Python number has no graph to differentiate)")
+        options = props.options  # the dict behind Properties' attributes, read without its __getattr__
         if not options["enabled"]:
             return loss
-        optimizers = self.optimizers
-        optimizers = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         stashes = []
-        for opt in optimizers:
+        for i, opt in enumerate(_optimizer_list(self.optimizers)):
             stash = getattr(opt, "_amp_stash", None)
             if stash is None:
-                raise RuntimeError(f"amp.scale_loss: the optimizer {type(opt).__name__} was not returned by "
+                raise RuntimeError(f"amp.scale_loss: optimizers[{i}] ({type(opt).__name__}) was not returned by "
                                    "amp.initialize; pass every optimizer through amp.initialize first")
+            if stash.poisoned:
+                raise RuntimeError(stash.poisoned_message("amp.scale_loss"))
             stashes.append(stash)
         scaler = _scaler(self.loss_id)
         unit = not scaler.dynamic and scaler.state.init_scale == 1.0
@@ -92,22 +114,35 @@ class _ScaleLoss:
                 stash.abort_backward()
             raise
         self.stashes, self.scaler, self.scale, self.unit, self.active = stashes, scaler, scale, unit, True
+        for stash in stashes:
+            stash.unfinished = self
         return scaled
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self.active:
-            return False
-        self.active = False
-        stashes = self.stashes
+            return False  # nothing prepared, or a step() inside the block already completed it
         if exc_type is not None:
-            for stash in stashes:
+            # The backward (or code after it) raised and the caller may catch it: drop the
+            # gradients this block made, which are scaled, so no later step can apply them.
+            self.active = False
+            for stash in self.stashes:
                 stash.abort_backward()
             return False  # the exception goes on
         if self.delay_unscale:
-            for stash in stashes:
-                stash.params_have_scaled_gradients = True
+            self.active = False
+            for stash in self.stashes:
+                stash.params_have_scaled_gradients = True  # still unfinished: a later block or step ends it
             return False
+        self.complete()
+        return False
 
+    def complete(self) -> None:
+        """Unscales (into the master grads under O2) and checks the gradients this block and any
+        delay_unscale blocks before it left scaled, and updates the loss scale."""
+        self.active = False
+        stashes = self.stashes
+        for stash in stashes:
+            stash.unfinished = None
         scaler, scale, unit = self.scaler, self.scale, self.unit
         found: Optional[dict] = {} if scaler.dynamic else None
         inv = None if unit else scaler.state.inv_scale()
@@ -115,7 +150,7 @@ class _ScaleLoss:
             stash.post_backward(None if unit else scale, inv, found)
             stash.params_have_scaled_gradients = False
         if found is None:
-            return False
+            return
         combined = combine_found(found.values(), scale.device) if found else torch.zeros((), device=scale.device)
         agree_found_inf_(combined, _amp_state.process_group)  # every rank skips, and scales, alike
         for stash in stashes:
@@ -124,7 +159,6 @@ class _ScaleLoss:
             _amp_state.deferred_updates.append((scaler, combined))
         else:
             scaler.update(combined, _amp_state.verbosity)
-        return False
 
 
 def skipped_steps(loss_id: Optional[int] = None) -> int:

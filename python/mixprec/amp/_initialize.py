@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -86,11 +87,14 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     host synchronization; a rate-limited "Gradient overflow" warning goes to the logger
     ``mixprec.amp`` on rank 0 (``verbosity=0`` silences it).
     """
-    _amp_state.opt_properties = Properties()
-    _amp_state.verbosity = verbosity
-    _amp_state.deferred_updates = []
-    _amp_state.process_group = process_group
+    # Everything is checked before anything changes: a refused call leaves amp's globals, the
+    # models and the optimizers as they were, so an earlier initialize stays in force.
+    if isinstance(verbosity, bool) or not isinstance(verbosity, numbers.Integral) or verbosity < 0:
+        raise ValueError(f"amp.initialize: verbosity must be an int >= 0 (0 silent, 1 default, 2 verbose), "
+                         f"got {verbosity!r}")
     if not enabled:
+        # Apex: a disabled amp is an initialized amp whose scale_loss and steps do nothing extra.
+        _amp_state.reset(Properties(), int(verbosity), process_group)
         return models if optimizers is None else (models, optimizers)
     if opt_level not in opt_levels:
         raise RuntimeError(f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3'.  Note "
@@ -103,11 +107,10 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     low = _resolve_dtype(dtype, cast_model_type)
     if layer_kernels is not None and not isinstance(layer_kernels, bool):
         raise TypeError(f"amp.initialize: layer_kernels must be True, False or None, got {layer_kernels!r}")
+    if isinstance(scale_history, bool) or not isinstance(scale_history, int) or scale_history < 0:
+        raise ValueError(f"amp.initialize: scale_history must be an int >= 0, got {scale_history!r}")
 
     props = opt_levels[opt_level](Properties(), low)
-    _maybe_log(f"Selected optimization level {opt_levels[opt_level].brief}", verbosity)
-    _amp_state.min_loss_scale = min_loss_scale
-    _amp_state.max_loss_scale = max_loss_scale
     # Apex's order of overrides; each setter validates against the opt level.
     if cast_model_type is not None:
         props.cast_model_type = cast_model_type
@@ -122,10 +125,36 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if props.master_weights and props.cast_model_type in (None, False, torch.float32):
         warn_or_err("master_weights=True needs a model cast to float16 or bfloat16 (opt_level O2, or "
                     "cast_model_type=torch.float16/bfloat16).")
+    cast = props.cast_model_type if props.cast_model_type in LOW_DTYPES else None
+    if layer_kernels and cast is None:
+        # autocast (O1) does not know mixprec's ops: the layers would run in fp32.
+        raise ValueError(f"amp.initialize: layer_kernels=True needs a model cast to float16 or bfloat16 (O2, O3); "
+                         f"opt_level {props.opt_level} does not cast it")
+    model_list, models_was_list = _as_list(models, "models", torch.nn.Module)
+    if optimizers is None:
+        optimizer_list, optimizers_was_list = [], False
+    else:
+        optimizer_list, optimizers_was_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+    _check_targets(model_list, optimizer_list, props)
+    scalers = [LossScaler(props.loss_scale, i, min_loss_scale, max_loss_scale, scale_history)
+               for i in range(num_losses)]
+
+    _amp_state.reset(None, int(verbosity), process_group)  # not initialized while the models change
+    _amp_state.min_loss_scale = min_loss_scale
+    _amp_state.max_loss_scale = max_loss_scale
+    _maybe_log(f"Selected optimization level {opt_levels[opt_level].brief}", verbosity)
     _maybe_log("After processing overrides, optimization options are:\n" +
                "\n".join(f"{k:22} : {v}" for k, v in props.options.items()) + f"\n{'dtype':22} : {low}", verbosity)
-    return _initialize(models, optimizers, props, low, num_losses, cast_model_outputs, scale_history,
-                       layer_kernels)
+    optimizer_list = _initialize(model_list, optimizer_list, props, low, cast_model_outputs, layer_kernels)
+    _amp_state.loss_scalers = scalers
+    _amp_state.dtype = low
+    _amp_state.opt_properties = props
+
+    if optimizers_was_list:
+        return (model_list if models_was_list else model_list[0]), optimizer_list
+    if len(optimizer_list) == 0:
+        return model_list if models_was_list else model_list[0]
+    return (model_list if models_was_list else model_list[0]), optimizer_list[0]
 
 
 def _is_bn(module: torch.nn.Module) -> bool:
@@ -168,13 +197,8 @@ def _as_list(value, what: str, cls) -> tuple[list, bool]:
                     f"{what}.")
 
 
-def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_losses: int,
-                cast_model_outputs, scale_history: int, layer_kernels: Optional[bool] = None):
-    models, models_was_list = _as_list(models, "models", torch.nn.Module)
-    if optimizers is None:
-        optimizers, optimizers_was_list = [], False
-    else:
-        optimizers, optimizers_was_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+def _check_targets(models: list, optimizers: list, props: Properties) -> None:
+    """The checks on the models and optimizers themselves, made before any of them changes."""
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
     for model in models:
         if isinstance(model, parallel):
@@ -186,15 +210,25 @@ def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_los
                                "DTensors (fully_shard): FSDP2 owns their storage. Use fully_shard(..., mp_policy="
                                "mixprec.distributed.mixed_precision_policy('O2', dtype)) and no amp.initialize; see "
                                "docs/distributed.md")
+        if _amp_state.allow_incoming_model_not_fp32:
+            continue  # Apex's escape hatch for models that arrive in fp16/bf16 on purpose
         for name, param in model.named_parameters():
             if param.is_floating_point() and param.dtype != torch.float32:
                 warn_or_err(f"Found param {name} with type {param.dtype}, expected torch.float32.\nWhen using "
                             "amp.initialize, you do not need to call .half() on your model\nbefore passing it, no "
-                            "matter what optimization level you choose.")
-    for opt in optimizers:
-        if hasattr(opt, "_amp_stash"):
-            raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+                            "matter what optimization level you choose (or set "
+                            "amp._amp_state.allow_incoming_model_not_fp32 = True to pass it anyway).")
+    seen: set[int] = set()
+    for i, opt in enumerate(optimizers):
+        if hasattr(opt, "_amp_stash") or id(opt) in seen:
+            raise RuntimeError(f"A given optimizer should only be passed through amp.initialize once (optimizers[{i}], "
+                               f"{type(opt).__name__}, was passed before).")
+        seen.add(id(opt))
 
+
+def _initialize(models: list, optimizers: list, props: Properties, low: torch.dtype, cast_model_outputs,
+                layer_kernels: Optional[bool] = None) -> list:
+    """Casts and patches validated models, processes the optimizers; returns the optimizers."""
     cast = props.cast_model_type if props.cast_model_type in LOW_DTYPES else None
     originals: dict[torch.Tensor, torch.Tensor] = {}
     if cast is not None:
@@ -205,14 +239,10 @@ def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_los
                     if keep_bn and _is_bn(module):
                         continue
                     for p in module.parameters(recurse=False):
-                        if p.is_floating_point():
+                        if p.is_floating_point() and p.dtype == torch.float32:
                             originals[p] = p.detach().clone()
         for model in models:
             convert_network(model, cast, keep_bn)
-    if layer_kernels and cast is None:
-        # autocast (O1) does not know mixprec's ops: the layers would run in fp32.
-        raise ValueError(f"amp.initialize: layer_kernels=True needs a model cast to float16 or bfloat16 (O2, O3); "
-                         f"opt_level {props.opt_level} does not cast it")
     if layer_kernels if layer_kernels is not None else cast is not None:
         for model in models:
             use_layer_kernels(model)
@@ -228,6 +258,7 @@ def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_los
             for module in model.modules():
                 module.register_state_dict_post_hook(_fp32_state_dict_hook)
 
+    optimizers = list(optimizers)
     for i, opt in enumerate(optimizers):
         if cast is not None and not props.master_weights and opt.state:
             opt.load_state_dict(opt.state_dict())  # recast existing per-param state (Apex's trick)
@@ -236,21 +267,9 @@ def _initialize(models, optimizers, props: Properties, low: torch.dtype, num_los
         for model in models:
             model.register_load_state_dict_post_hook(
                 functools.partial(_refresh_hook, optimizers=list(optimizers)))
-
-    _amp_state.loss_scalers = [
-        LossScaler(props.loss_scale, i, _amp_state.min_loss_scale, _amp_state.max_loss_scale, scale_history)
-        for i in range(num_losses)
-    ]
     if props.patch_torch_functions:
         apply_registry()
-    _amp_state.dtype = low
-    _amp_state.opt_properties = props
-
-    if optimizers_was_list:
-        return (models if models_was_list else models[0]), optimizers
-    if len(optimizers) == 0:
-        return models if models_was_list else models[0]
-    return (models if models_was_list else models[0]), optimizers[0]
+    return optimizers
 
 
 def _refresh_hook(module, incompatible_keys, *, optimizers):

@@ -83,6 +83,12 @@ class AmpStash:
         self.master_ids: set[int] = set()
         self.stashed: dict[torch.Tensor, torch.Tensor] = {}
         self.params_have_scaled_gradients = False
+        # The scale_loss block whose gradients are still scaled (open, or closed with
+        # delay_unscale=True): step() and master_params() complete it before reading gradients.
+        self.unfinished = None
+        # Set when an exception interrupted a block whose gradients could not be told apart from
+        # earlier scaled ones: step() and scale_loss refuse until zero_grad() clears them.
+        self.poisoned = False
         self.guard = StepGuard()
         self._reset_step()
 
@@ -122,6 +128,8 @@ class AmpStash:
         return [p for group in groups for p in group["params"] if p.dtype == torch.float32]
 
     def master_params(self) -> Iterator[torch.Tensor]:
+        if self.unfinished is not None:
+            self.unfinished.complete()  # the caller reads .grad (to clip): it must be unscaled
         if self.kind == FUSED_MASTERS:
             if self.pending:
                 self.materialize()
@@ -146,11 +154,26 @@ class AmpStash:
                 p.grad = None  # scaled leftovers, or already carried by the master grads
 
     def abort_backward(self) -> None:
-        """The backward raised: put the stashed grads back."""
-        for p, g in self.stashed.items():
-            if p.grad is None:
-                p.grad = g
-        self.stashed.clear()
+        """The block's backward, or code after it, raised: put every gradient back as it was
+        before the block (the block's own, scaled, contributions are dropped). After
+        delay_unscale blocks the scaled gradients of those blocks and of this one are summed
+        and cannot be separated: the stash is poisoned until zero_grad()."""
+        self.unfinished = None
+        if self.params_have_scaled_gradients:
+            self.poisoned = True
+            return
+        stashed = self.stashed
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = stashed.get(p)  # None where the block started without a gradient
+        for p in self.low_params:  # SWAP: the model's own params (their values are in the master grads)
+            p.grad = None
+        stashed.clear()
+
+    def poisoned_message(self, call: str) -> str:
+        return (f"{call}: an exception interrupted `with amp.scale_loss(...)` after delay_unscale=True blocks, so "
+                f"the gradients of {type(self.optimizer).__name__} hold scaled values of unknown extent; call "
+                "optimizer.zero_grad() and redo the accumulation (nothing was stepped)")
 
     def post_backward(self, scale: Optional[torch.Tensor], inv: Optional[torch.Tensor],
                       found: Optional[dict]) -> None:
@@ -321,9 +344,12 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The params the optimizer updates in fp32: the masters under O2, the model's params
     otherwise. Between scale_loss and step, their ``.grad`` hold the unscaled gradients (clip
     them here: ``clip_grad_norm_(amp.master_params(optimizer), max_norm)``)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"amp.master_params: optimizer must be a torch.optim.Optimizer (as returned by "
+                        f"amp.initialize), got {type(optimizer).__name__}; the masters belong to the optimizer, "
+                        "e.g. clip_grad_norm_(amp.master_params(optimizer), max_norm)")
+    # Checked here, not on the first next(): the error then points at the call.
     stash = getattr(optimizer, "_amp_stash", None)
     if stash is None:
-        for group in optimizer.param_groups:
-            yield from group["params"]
-    else:
-        yield from stash.master_params()
+        return (p for group in optimizer.param_groups for p in group["params"])
+    return stash.master_params()

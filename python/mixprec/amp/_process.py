@@ -4,6 +4,7 @@ patched as bound methods, so the object stays the user's (isinstance holds)."""
 
 from __future__ import annotations
 
+import warnings
 from types import MethodType
 from typing import Any
 
@@ -21,6 +22,18 @@ def _patched_step(self, *args: Any, **kwargs: Any):
     closure = args[0] if args else kwargs.get("closure")
     if closure is not None:
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
+    if stash.poisoned:
+        raise RuntimeError(stash.poisoned_message(f"{type(self).__name__}.step()"))
+    if stash.fused and ("grad_scale" in self.__dict__ or "found_inf" in self.__dict__) and _amp_scales_losses():
+        # A GradScaler (torch's or mixprec's) handed this step its scale: the loss went through
+        # both scalers, and one of the two scales would stay in the gradients.
+        raise RuntimeError(f"{type(self).__name__}.step(): this optimizer went through amp.initialize, whose loss "
+                           "scaling is on, and a GradScaler is stepping it too; use amp.scale_loss or a GradScaler, "
+                           "not both (nothing was stepped)")
+    block = stash.unfinished
+    if block is not None:
+        _warn_unfinished(block)
+        block.complete()  # unscale, check and update the scale first: the step sees what it would after the block
     if _amp_state.deferred_updates:
         _amp_state.flush_deferred_updates()
     grad_scale = stash.prepare_step()
@@ -45,6 +58,29 @@ def _patched_step(self, *args: Any, **kwargs: Any):
     return retval
 
 
+_warned: set = set()
+
+
+def _warn_unfinished(block) -> None:
+    kind = "open" if block.active else "delayed"
+    if kind in _warned:
+        return
+    _warned.add(kind)
+    if kind == "open":
+        msg = ("optimizer.step() was called inside `with amp.scale_loss(...)`: mixprec unscaled and checked the "
+               "gradients first, so this step is the one a step() after the block would make. The usual "
+               "placement is after the with block.")
+    else:
+        msg = ("optimizer.step() followed scale_loss(..., delay_unscale=True) blocks that no block with "
+               "delay_unscale=False closed: mixprec unscaled and checked the accumulated gradients first. Pass "
+               "delay_unscale=False on the last micro-batch before step().")
+    warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+def _amp_scales_losses() -> bool:
+    return any(s.dynamic or s.state.init_scale != 1.0 for s in _amp_state.loss_scalers)
+
+
 def _patched_zero_grad(self, *args: Any, **kwargs: Any):
     stash: AmpStash = self._amp_stash
     retval = stash.orig_zero_grad(*args, **kwargs)
@@ -62,6 +98,8 @@ def _patched_zero_grad(self, *args: Any, **kwargs: Any):
             m.grad = None
     if stash.stashed:
         stash.stashed.clear()
+    stash.poisoned = stash.params_have_scaled_gradients = False
+    stash.unfinished = None
     stash.pending = stash.materialized = False
     stash.grad_scale = stash.wb_scale = None
     stash.contributions = 0

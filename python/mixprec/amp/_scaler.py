@@ -4,6 +4,7 @@ with the rate-limited, rank-0, sync-free "skipping step" log."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Optional
 
@@ -102,6 +103,20 @@ class LossScaler:
     def _loss_scale(self) -> float:
         return self.state.get_scale()
 
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        # Apex-era code sets the scale directly (e.g. to restart after a divergence); it takes
+        # effect on the next scaled loss. A fill on the device: no sync.
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"amp loss scaler {self.loss_id}: _loss_scale must be a positive finite number, "
+                             f"got {value!r}")
+        state = self.state
+        state.init_scale = float(value)
+        if state.scale is not None:
+            state.scale.fill_(state.init_scale)
+
     @property
     def _unskipped(self) -> int:
         return self.state.get_growth_tracker()
@@ -120,6 +135,17 @@ class AmpState:
         self.deferred_updates: list[tuple[LossScaler, torch.Tensor]] = []
         self.hard_override = False
         self.process_group = None  # found_inf is agreed over it (mixprec.distributed.agree_found_inf_)
+        # Apex's switch for models that arrive in fp16/bf16 on purpose (set it before initialize).
+        self.allow_incoming_model_not_fp32 = False
+        self.handle = None  # Apex's _amp_state.handle: set by initialize and by amp.init
+
+    def reset(self, opt_properties, verbosity: int, process_group) -> None:
+        """The fresh state of an initialize call, set only once its arguments were validated."""
+        self.opt_properties = opt_properties
+        self.verbosity = verbosity
+        self.deferred_updates = []
+        self.process_group = process_group
+        self.loss_scalers = []
 
     @property
     def initialized(self) -> bool:

@@ -1,0 +1,390 @@
+# Misuse of mixprec.amp's entry points: every refused call (initialize, scale_loss, the loaders,
+# the loss scalers' settable scale, master_params) raises an error naming the call and the
+# argument and changes nothing, and the states amp knows of (an exception inside scale_loss,
+# delay_unscale without a closing block, an empty optimizer list, a second GradScaler) can never
+# apply still-scaled gradients.
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from amp_support import amp_world, assert_same_world, make_model, one_cpu_thread  # noqa: F401  (autouse)
+from conftest import random_tensor
+import mixprec.amp._process as amp_process
+from mixprec import GradScaler, amp
+from mixprec.amp import _amp_state
+from mixprec.optimizers import FusedAdam, FusedSGD
+
+
+@pytest.fixture(autouse=True)
+def warn_again(monkeypatch):
+    """amp warns once per process about a misplaced step; each test sees its own first time."""
+    monkeypatch.setattr(amp_process, "_warned", set(), raising=False)
+
+
+def o2_world(gen, kind="fused"):
+    model = make_model(gen, "cpu")
+    opt = FusedAdam(model.parameters(), lr=1e-2) if kind == "fused" else torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    return model, opt
+
+
+def train_step(model, opt, gen, poison=None, inside=False):
+    opt.zero_grad()
+    x = random_tensor((16, 8), torch.float32, "cpu", gen)
+    loss = model(x).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+        if poison is not None:
+            model[0].weight.grad.view(-1)[0] = poison
+        if inside:
+            opt.step()
+    if not inside:
+        opt.step()
+    return loss.detach()
+
+
+def scale_in_force(model, opt, gen) -> float:
+    """The factor scale_loss applies now (0 when amp is off)."""
+    loss = model(random_tensor((4, 8), torch.float32, "cpu", gen)).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        factor = (scaled / loss.float()).item()
+        scaled.backward()
+    opt.zero_grad()
+    return factor
+
+
+# -- 1. a refused initialize leaves the amp that is in force alone ------------------------------------
+BAD_INITIALIZE = [
+    (dict(opt_level="02"), RuntimeError, "letter O"),
+    (dict(opt_level="O2", loss_scale="huge"), ValueError, "loss_scale"),
+    (dict(opt_level="O2", loss_scale=math.nan), ValueError, "loss_scale"),
+    (dict(opt_level="O2", verbosity="loud"), ValueError, "verbosity"),
+    (dict(opt_level="O2", verbosity=1.5), ValueError, "verbosity"),
+    (dict(opt_level="O2", verbosity=-1), ValueError, "verbosity"),
+    (dict(opt_level="O2", num_losses=0), ValueError, "num_losses"),
+    (dict(opt_level="O2", scale_history=-2), ValueError, "scale_history"),
+    (dict(opt_level="O1", layer_kernels=True), ValueError, "layer_kernels"),
+    (dict(opt_level="O2", min_loss_scale=4.0, max_loss_scale=2.0), ValueError, "max_loss_scale"),
+    (dict(opt_level="O2", dtype=torch.float64), ValueError, "dtype"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", BAD_INITIALIZE)
+def test_refused_initialize_keeps_the_running_amp(kwargs, exc, match, gen):
+    model, opt = o2_world(gen)
+    train_step(model, opt, gen)
+    other = make_model(gen, "cpu")
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    before = amp_world([model, other], [opt, other_opt])
+    with pytest.raises(exc, match=match):
+        amp.initialize(other, other_opt, **kwargs)
+    assert_same_world(before, amp_world([model, other], [opt, other_opt]))
+    # amp still scales and still skips overflowing steps for the model initialized before.
+    assert scale_in_force(model, opt, gen) == amp.loss_scale() > 1
+    params = [p.detach().clone() for p in model.parameters()]
+    train_step(model, opt, gen, poison=math.inf)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters())), "the overflowing step was applied"
+
+
+@pytest.mark.parametrize("case", ["passed_before", "twice_in_list", "ddp_like", "not_a_model", "fp16_model"])
+def test_refused_targets_change_nothing(case, gen):
+    model, opt = o2_world(gen)
+    other = make_model(gen, "cpu")
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    args = {"passed_before": (other, opt), "twice_in_list": (other, [other_opt, other_opt]),
+            "ddp_like": (torch.nn.DataParallel(other), other_opt), "not_a_model": ("model", other_opt),
+            "fp16_model": (other.half(), other_opt)}[case]
+    before = amp_world([model, other], [opt, other_opt])
+    with pytest.raises((RuntimeError, TypeError), match="once|Parallel|must be either|expected torch.float32"):
+        amp.initialize(*args, opt_level="O2")
+    assert_same_world(before, amp_world([model, other], [opt, other_opt]))
+
+
+def test_allow_incoming_model_not_fp32(gen, monkeypatch):
+    model = make_model(gen, "cpu").half()
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match="allow_incoming_model_not_fp32"):
+        amp.initialize(model, opt, opt_level="O2")
+    monkeypatch.setattr(_amp_state, "allow_incoming_model_not_fp32", True)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    masters = [opt.state[p]["master_param"] for p in model.parameters() if p.dtype == torch.float16]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+    for p, m in zip([p for p in model.parameters() if p.dtype == torch.float16], masters):
+        assert torch.equal(m, p.float())  # the masters start from the incoming half values
+    before = [m.clone() for m in masters]
+    train_step(model, opt, gen)
+    assert any(not torch.equal(a, b) for a, b in zip(before, masters))
+
+
+# -- 4. Apex's state objects ------------------------------------------------------------------------
+def test_loss_scaler_scale_is_settable_and_checked(gen):
+    model, opt = o2_world(gen)
+    train_step(model, opt, gen)
+    scaler = _amp_state.loss_scalers[0]
+    assert scaler._loss_scale == amp.loss_scale() == 2.0**16
+    scaler._loss_scale = 128.0
+    assert scale_in_force(model, opt, gen) == 128.0 == amp.loss_scale()
+    assert _amp_state.opt_properties.opt_level == "O2" and _amp_state.opt_properties.master_weights
+    for bad in (math.nan, math.inf, 0.0, -2.0, "x", True, torch.tensor([1.0, 2.0])):
+        before = amp_world([model], [opt])
+        with pytest.raises(ValueError, match="_loss_scale must be a positive finite number"):
+            scaler._loss_scale = bad
+        assert_same_world(before, amp_world([model], [opt]))
+
+
+# -- 6. loaders validate everything, then write -----------------------------------------------------
+def good_amp_state(model, opt, gen) -> dict:
+    train_step(model, opt, gen)
+    return amp.state_dict()
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda s: s["loss_scaler0"].update(unskipped=2**40),
+    lambda s: s["loss_scaler0"].update(unskipped=-1),
+    lambda s: s["loss_scaler0"].update(loss_scale=math.nan),
+    lambda s: s["loss_scaler0"].update(loss_scale=0.0),
+    lambda s: s["loss_scaler0"].update(loss_scale="65536"),
+    lambda s: s["loss_scaler0"].pop("unskipped"),
+    lambda s: s.update(loss_scaler1=dict(s["loss_scaler0"])),
+    lambda s: s.update(extra=1),
+])
+def test_amp_load_state_dict_refuses_and_changes_nothing(corrupt, gen):
+    model, opt = o2_world(gen)
+    state = good_amp_state(model, opt, gen)
+    _amp_state.loss_scalers[0]._loss_scale = 512.0
+    corrupt(state)
+    before = amp_world([model], [opt])
+    with pytest.raises((ValueError, RuntimeError), match="loss_scaler|Unexpected key|num_losses"):
+        amp.load_state_dict(state)
+    assert_same_world(before, amp_world([model], [opt]))
+
+
+class WithExtraState(torch.nn.Module):
+    """A module whose set_extra_state refuses bad values: a loader check the validation cannot see."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.tag = 1
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def get_extra_state(self):
+        return {"tag": self.tag}
+
+    def set_extra_state(self, state):
+        if not isinstance(state, dict) or not isinstance(state.get("tag"), int):
+            raise ValueError("WithExtraState: bad extra state")
+        self.tag = state["tag"]
+
+
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+def test_load_checkpoint_state_is_all_or_nothing(kind, gen):
+    inner = make_model(gen, "cpu")
+    model = WithExtraState(inner)
+    opt = FusedAdam(model.parameters(), lr=1e-2) if kind == "fused" else torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(random_tensor((16, 8), torch.float32, "cpu", gen)).pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(amp.checkpoint_state(model, opt), buffer)
+    for _ in range(2):  # move on, so that a load would change everything
+        opt.zero_grad()
+        with amp.scale_loss(model(random_tensor((16, 8), torch.float32, "cpu", gen)).pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+    buffer.seek(0)
+    ckpt = torch.load(buffer, weights_only=True)
+    ckpt["models"][0]["_extra_state"] = {"tag": "not an int"}  # fails in the model's loader, after the optimizer's
+    before = amp_world([model], [opt])
+    with pytest.raises(ValueError, match="bad extra state"):
+        amp.load_checkpoint_state(ckpt, model, opt)
+    assert_same_world(before, amp_world([model], [opt]))
+
+
+def test_truncated_checkpoint_says_what_it_is(gen, tmp_path):
+    model, opt = o2_world(gen)
+    train_step(model, opt, gen)
+    buffer = io.BytesIO()
+    torch.save(amp.checkpoint_state(model, opt), buffer)
+    data = buffer.getvalue()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 2])
+    before = amp_world([model], [opt])
+    for source in (io.BytesIO(data[: len(data) // 2]), str(tmp_path / "cut.pt")):
+        with pytest.raises(ValueError, match="amp.load_checkpoint_state: checkpoint .* could not be read"):
+            amp.load_checkpoint_state(source, model, opt)
+    assert_same_world(before, amp_world([model], [opt]))
+    amp.load_checkpoint_state(io.BytesIO(data), model, opt)  # the whole file loads from a buffer too
+
+
+# -- 7. scaled gradients never reach a step -----------------------------------------------------------
+def twin_worlds(gen, kind):
+    """Two identical O2 worlds (model, optimizer) and a shared stream of batches."""
+    from amp_support import fresh
+    base = make_model(gen, "cpu")
+    worlds = []
+    for _ in range(2):
+        model = fresh(base)
+        opt = (FusedAdam(model.parameters(), lr=1e-2) if kind == "fused"
+               else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        worlds.append((model, opt))
+    return worlds
+
+
+def loss_of(model, x):
+    return model(x).float().pow(2).mean()
+
+
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_exception_inside_scale_loss_drops_the_scaled_gradients(kind, level, gen):
+    (m_a, o_a), (m_b, o_b) = twin_worlds(gen, kind)
+    m_a, o_a = amp.initialize(m_a, o_a, opt_level=level, verbosity=0)
+    xs = [random_tensor((16, 8), torch.float32, "cpu", gen) for _ in range(3)]
+    # World a: a block whose code raises after backward, caught; then an ordinary step.
+    for i, x in enumerate(xs):
+        o_a.zero_grad()
+        if i == 1:
+            with pytest.raises(KeyError):
+                with amp.scale_loss(loss_of(m_a, x), o_a) as s:
+                    s.backward()
+                    raise KeyError("user code")
+            o_a.step()  # the grads of the failed block are gone: nothing to apply
+        with amp.scale_loss(loss_of(m_a, x), o_a) as s:
+            s.backward()
+        o_a.step()
+    # World b, the same without the failed block.
+    amp_b = amp.initialize(m_b, o_b, opt_level=level, verbosity=0)
+    m_b, o_b = amp_b
+    for x in xs:
+        o_b.zero_grad()
+        with amp.scale_loss(loss_of(m_b, x), o_b) as s:
+            s.backward()
+        o_b.step()
+    for a, b in zip(m_a.parameters(), m_b.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_exception_after_delayed_blocks_refuses_the_step_until_zero_grad(gen):
+    model, opt = o2_world(gen)
+    x = random_tensor((16, 8), torch.float32, "cpu", gen)
+    opt.zero_grad()
+    with amp.scale_loss(loss_of(model, x), opt, delay_unscale=True) as s:
+        s.backward()
+    with pytest.raises(KeyError):
+        with amp.scale_loss(loss_of(model, x), opt) as s:
+            s.backward()
+            raise KeyError("user code")
+    loss = loss_of(model, x)  # (its forward updates BatchNorm's running stats)
+    before = amp_world([model], [opt])
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+    assert_same_world(before, amp_world([model], [opt]))
+    params = [p.detach().clone() for p in model.parameters()]
+    train_step(model, opt, gen)  # zero_grad first: training goes on
+    assert any(not torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+def test_delay_unscale_on_every_micro_batch_is_unscaled_at_the_step(kind, gen):
+    (m_a, o_a), (m_b, o_b) = twin_worlds(gen, kind)
+    xs = [random_tensor((16, 8), torch.float32, "cpu", gen) for _ in range(3)]
+    m_a, o_a = amp.initialize(m_a, o_a, opt_level="O2", verbosity=0)
+    o_a.zero_grad()
+    for x in xs:
+        with amp.scale_loss(loss_of(m_a, x), o_a, delay_unscale=True) as s:
+            s.backward()
+    with pytest.warns(UserWarning, match="delay_unscale=False on the last micro-batch"):
+        o_a.step()
+    m_b, o_b = amp.initialize(m_b, o_b, opt_level="O2", verbosity=0)
+    o_b.zero_grad()
+    for i, x in enumerate(xs):
+        with amp.scale_loss(loss_of(m_b, x), o_b, delay_unscale=i < len(xs) - 1) as s:
+            s.backward()
+    o_b.step()
+    for a, b in zip(m_a.parameters(), m_b.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("optimizers, exc, match", [
+    ([], ValueError, "optimizers is empty"),
+    ((), ValueError, "optimizers is empty"),
+    (None, TypeError, "optimizers must be an optimizer"),
+    ("opt", TypeError, "optimizers must be an optimizer"),
+])
+def test_scale_loss_refuses_missing_optimizers_before_scaling(optimizers, exc, match, gen):
+    model, opt = o2_world(gen)
+    loss = loss_of(model, random_tensor((16, 8), torch.float32, "cpu", gen))
+    before = amp_world([model], [opt])
+    with pytest.raises(exc, match=match):
+        with amp.scale_loss(loss, optimizers) as s:
+            s.backward()
+    assert_same_world(before, amp_world([model], [opt]))
+
+
+def test_scale_loss_refuses_a_python_number(gen):
+    model, opt = o2_world(gen)
+    with pytest.raises(TypeError, match="loss must be the tensor"):
+        with amp.scale_loss(1.5, opt):
+            pass
+
+
+@pytest.mark.parametrize("scaler_kind", ["torch", "mixprec"])
+def test_amp_and_a_grad_scaler_together_are_refused(scaler_kind, gen):
+    model, opt = o2_world(gen)
+    scaler = torch.amp.GradScaler("cpu") if scaler_kind == "torch" else GradScaler("cpu")
+    opt.zero_grad()
+    with amp.scale_loss(scaler.scale(loss_of(model, random_tensor((16, 8), torch.float32, "cpu", gen))), opt) as s:
+        s.backward()
+    before = amp_world([model], [opt])
+    with pytest.raises(RuntimeError, match="not both"):
+        scaler.step(opt)
+    world = amp_world([model], [opt])
+    world["optimizers"][0] = world["optimizers"][0][:1] + before["optimizers"][0][1:]  # the block was completed
+    assert_same_world(before["models"], world["models"])
+    assert_same_world(before["optimizers"][0][0], world["optimizers"][0][0])
+
+
+def test_master_params_of_a_model_says_what_to_pass(gen):
+    model, opt = o2_world(gen)
+    with pytest.raises(TypeError, match="amp.master_params: optimizer must be"):
+        amp.master_params(model)
+
+
+# -- property-based: random amp.load_state_dict corruptions --------------------------------------------
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                   st.text(max_size=3), st.lists(st.integers(), max_size=2))
+
+
+@given(key=st.sampled_from(["loss_scale", "unskipped", "hysteresis", "_hysteresis_tracker", "_skipped_steps",
+                            "min_scale", "max_scale"]), value=VALUES)
+def test_random_scaler_state_either_loads_or_changes_nothing(key, value):
+    gen = torch.Generator().manual_seed(0)
+    model, opt = o2_world(gen)
+    state = good_amp_state(model, opt, gen)
+    state["loss_scaler0"][key] = value
+    before = amp_world([model], [opt])
+    try:
+        amp.load_state_dict(state)
+    except (ValueError, RuntimeError) as err:
+        assert "loss_scaler0" in str(err)
+        assert_same_world(before, amp_world([model], [opt]))
+        return
+    # Loaded: the values are what was given, and training still works.
+    if key == "loss_scale":
+        assert amp.loss_scale() == float(value)
+    train_step(model, opt, gen)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
