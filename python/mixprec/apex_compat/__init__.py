@@ -2,6 +2,7 @@
 normalization), on mixprec's ops. mixprec.apex_alias maps apex's module names onto these."""
 
 from . import amp_c
+from .larc import LARC
 from .multi_tensor_apply import MultiTensorApply, multi_tensor_applier
 
-__all__ = ["amp_c", "MultiTensorApply", "multi_tensor_applier"]
+__all__ = ["amp_c", "LARC", "MultiTensorApply", "multi_tensor_applier"]

@@ -1,0 +1,32 @@
+"""The ``apex.parallel`` of mixprec's apex alias: LARC only. Apex's distributed pieces are not
+provided; importing one raises an ImportError that names torch's replacement."""
+
+from __future__ import annotations
+
+from .larc import LARC
+
+#: Apex's apex.parallel names mixprec does not provide, and what to use instead.
+NOT_PROVIDED = {
+    "DistributedDataParallel": "torch.nn.parallel.DistributedDataParallel",
+    "Reducer": "torch.nn.parallel.DistributedDataParallel (its bucketed all-reduce)",
+    "SyncBatchNorm": "torch.nn.SyncBatchNorm",
+    "convert_syncbn_model": "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
+    "create_syncbn_process_group": "torch.distributed.new_group",
+    "distributed": "torch.nn.parallel.DistributedDataParallel",
+    "optimized_sync_batchnorm": "torch.nn.SyncBatchNorm",
+    "optimized_sync_batchnorm_kernel": "torch.nn.SyncBatchNorm",
+    "sync_batchnorm": "torch.nn.SyncBatchNorm",
+    "sync_batchnorm_kernel": "torch.nn.SyncBatchNorm",
+    "multiproc": "torchrun",
+}
+
+
+def __getattr__(name: str):
+    if name in NOT_PROVIDED:
+        # ImportError, not AttributeError: `from apex.parallel import X` keeps this message only so.
+        raise ImportError(f"apex.parallel.{name} is not provided by mixprec's apex alias (only LARC is); "
+                          f"use {NOT_PROVIDED[name]}", name=name)
+    raise AttributeError(f"module 'apex.parallel' (mixprec's stand-in) has no attribute {name!r}")
+
+
+__all__ = ["LARC"]
