@@ -11,6 +11,7 @@ import torch
 from conftest import CHUNK, assert_rel_err, assert_unchanged, random_tensor, snapshot
 from mixprec.apex_compat import amp_c
 from mixprec.apex_compat.multi_tensor_apply import multi_tensor_applier
+from test_sgd import reference_step  # the float64 SGD rule
 
 SIZES = (0, 5, CHUNK + 3, 33)
 
@@ -30,16 +31,10 @@ def f64(ts):
 # ---- SGD --------------------------------------------------------------------------------------------
 
 def sgd_reference(g, w, buf, wd, momentum, dampening, lr, nesterov, first_run, wd_after, scale):
-    """Apex's SGD kernel per element, in float64."""
-    g = g * scale
-    if wd != 0 and not wd_after:
-        g = g + wd * w
-    if momentum != 0:
-        buf = g.clone() if first_run else momentum * buf + (1 - dampening) * g
-        g = g + momentum * buf if nesterov else buf
-    if wd != 0 and wd_after:
-        g = g + wd * w
-    return w - lr * g, buf
+    """Apex's SGD kernel per element in float64: torch.optim.SGD's rule (test_sgd's reference)
+    on the gradient times Apex's ``scale``."""
+    return reference_step(w, g * scale, buf, first=first_run, lr=lr, momentum=momentum, dampening=dampening,
+                          weight_decay=wd, nesterov=nesterov, maximize=False, wd_after_momentum=wd_after)
 
 
 @pytest.mark.parametrize("momentum,dampening,nesterov,wd_after", [(0.9, 0.0, False, False), (0.9, 0.0, True, False),

@@ -16,3 +16,15 @@ def named(call: str):
         raise
     except (RuntimeError, ValueError, TypeError) as e:
         raise type(e)(f"{call}: {e}") from e
+
+
+def not_provided_getattr(module: str, not_provided: dict[str, str], exc_type=AttributeError):
+    """A module ``__getattr__``: a name Apex has and mixprec does not raises ``exc_type`` saying
+    what to use instead; any other name is a plain AttributeError."""
+
+    def __getattr__(name: str):
+        if name in not_provided:
+            raise exc_type(f"{module}.{name} is not provided by mixprec's apex alias; use {not_provided[name]}")
+        raise AttributeError(f"module {module!r} (mixprec's stand-in) has no attribute {name!r}")
+
+    return __getattr__

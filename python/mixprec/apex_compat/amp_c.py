@@ -16,6 +16,7 @@ import torch
 
 from .. import _ops
 from ._errors import named as _named
+from ._errors import not_provided_getattr
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -292,7 +293,4 @@ NOT_PROVIDED = {
 }
 
 
-def __getattr__(name: str):
-    if name in NOT_PROVIDED:
-        raise AttributeError(f"amp_C.{name} is not provided by mixprec's apex alias; use {NOT_PROVIDED[name]}")
-    raise AttributeError(f"module 'amp_C' (mixprec's stand-in) has no attribute {name!r}")
+__getattr__ = not_provided_getattr("amp_C", NOT_PROVIDED)

@@ -12,7 +12,7 @@ from torch.nn import init
 from torch.nn.parameter import Parameter
 
 from .. import _ops
-from ._errors import named
+from ._errors import named, not_provided_getattr
 
 
 def _normalized_shape(call: str, normalized_shape) -> tuple[int, ...]:
@@ -178,16 +178,12 @@ class MixedFusedRMSNorm(FusedRMSNorm):
 
 
 #: Apex's autograd Functions: mixprec's ops carry their own (C++) autograd nodes.
-NOT_PROVIDED = ("FusedLayerNormAffineFunction", "FusedLayerNormAffineMixedDtypesFunction", "FusedLayerNormFunction",
-                "FusedRMSNormAffineFunction", "FusedRMSNormAffineMixedDtypesFunction", "FusedRMSNormFunction")
+NOT_PROVIDED = dict.fromkeys(
+    ("FusedLayerNormAffineFunction", "FusedLayerNormAffineMixedDtypesFunction", "FusedLayerNormFunction",
+     "FusedRMSNormAffineFunction", "FusedRMSNormAffineMixedDtypesFunction", "FusedRMSNormFunction"),
+    "the functional forms (fused_layer_norm_affine, ...): mixprec's ops carry their own autograd")
 
-
-def __getattr__(name: str):
-    if name in NOT_PROVIDED:
-        raise AttributeError(f"{name} is not provided by mixprec's apex alias: mixprec's ops carry their own "
-                             "autograd; call the functional forms (fused_layer_norm_affine, ...) instead")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = not_provided_getattr("apex.normalization.fused_layer_norm", NOT_PROVIDED)
 
 __all__ = [
     "FusedLayerNorm", "FusedRMSNorm", "MixedFusedLayerNorm", "MixedFusedRMSNorm",

@@ -3,12 +3,13 @@ provided; importing one raises an ImportError that names torch's replacement."""
 
 from __future__ import annotations
 
+from ._errors import not_provided_getattr
 from .larc import LARC
 
 #: Apex's apex.parallel names mixprec does not provide, and what to use instead.
 NOT_PROVIDED = {
     "DistributedDataParallel": "torch.nn.parallel.DistributedDataParallel",
-    "Reducer": "torch.nn.parallel.DistributedDataParallel (its bucketed all-reduce)",
+    "Reducer": "torch.nn.parallel.DistributedDataParallel (its bucketed all-reduce is built in)",
     "SyncBatchNorm": "torch.nn.SyncBatchNorm",
     "convert_syncbn_model": "torch.nn.SyncBatchNorm.convert_sync_batchnorm",
     "create_syncbn_process_group": "torch.distributed.new_group",
@@ -21,12 +22,7 @@ NOT_PROVIDED = {
 }
 
 
-def __getattr__(name: str):
-    if name in NOT_PROVIDED:
-        # ImportError, not AttributeError: `from apex.parallel import X` keeps this message only so.
-        raise ImportError(f"apex.parallel.{name} is not provided by mixprec's apex alias (only LARC is); "
-                          f"use {NOT_PROVIDED[name]}", name=name)
-    raise AttributeError(f"module 'apex.parallel' (mixprec's stand-in) has no attribute {name!r}")
-
+# ImportError, not AttributeError: `from apex.parallel import X` keeps the message only so.
+__getattr__ = not_provided_getattr("apex.parallel", NOT_PROVIDED, ImportError)
 
 __all__ = ["LARC"]
