@@ -228,3 +228,30 @@ def test_names_apex_has_and_mixprec_does_not_say_what_to_use():
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         amp_c.nonsense
     assert not hasattr(amp_c, "multi_tensor_l2norm_mp")
+
+
+@pytest.mark.cuda
+def test_ops_never_sync_the_host(gen):
+    # Apex's kernels queue work and return; the noop_flag <-> found_inf conversion must too.
+    ts = tensors(gen, "cuda", [torch.float16], sizes=(5, CHUNK + 1))
+    out = [torch.empty_like(t) for t in ts]
+    p, m, v = [t.float() for t in ts], [torch.zeros_like(t, dtype=torch.float32) for t in ts], \
+        [torch.zeros_like(t, dtype=torch.float32) for t in ts]
+    g = [t.float() for t in ts]
+    noop = flag("cuda")
+    inv = torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        amp_c.multi_tensor_scale(65536, noop, [ts, out], 0.5)
+        amp_c.multi_tensor_l2norm(65536, noop, [ts], True)
+        amp_c.multi_tensor_unscale_l2norm(65536, noop, [ts], inv, True)
+        amp_c.multi_tensor_axpby(65536, noop, [ts, ts, out], 1.0, 2.0, -1)
+        amp_c.multi_tensor_sgd(65536, noop, [g, p, m], 0.0, 0.9, 0.0, 0.1, False, True, False, 0.5)
+        amp_c.multi_tensor_adam(65536, noop, [g, p, m, v], 1e-3, 0.9, 0.99, 1e-8, 1, 1, 1, 0.0)
+        amp_c.multi_tensor_lamb(65536, noop, [g, p, m, v], 1e-3, 0.9, 0.99, 1e-6, 1, 1, 0.01, 1, 1, inv, 1.0)
+        amp_c.multi_tensor_novograd(65536, noop, [g, p, m], torch.ones(2, device="cuda"), 1e-3, 0.9, 0.99, 1e-8,
+                                    1, 1, 0.0, 1, 1, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert noop.item() == 0

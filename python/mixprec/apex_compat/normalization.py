@@ -30,8 +30,8 @@ def _check_eps(call: str, eps) -> None:
 
 def _autocast_cast(tensors):
     """Apex's _cast_if_autocast_enabled: under CUDA autocast, CUDA float tensors go to the autocast
-    dtype and the norm runs with autocast off (so FusedLayerNorm's output is in that dtype, not
-    float32 as torch's LayerNorm gives)."""
+    dtype (so FusedLayerNorm's output is in that dtype, not float32 as torch's LayerNorm gives).
+    mixprec's ops have no autocast kernels, so nothing casts them again."""
     if not torch.is_autocast_enabled("cuda"):
         return tensors
     dtype = torch.get_autocast_dtype("cuda")
@@ -49,20 +49,19 @@ def _norm(call: str, input, weight, bias, normalized_shape, eps, mixed: bool, rm
         raise TypeError(f"{call}: input is a {type(input).__name__}; expected a tensor")
     if mixed and weight is None:
         raise ValueError(f"{call}: weight is None; the mixed-dtype forms need a weight")
-    with torch.autocast("cuda", enabled=False):
-        input, weight, bias = _autocast_cast([input, weight, bias])
-        out_dtype = weight.dtype if mixed else input.dtype
-        dtype = input.dtype
-        for t in (weight, bias):
-            if t is not None:
-                dtype = torch.promote_types(dtype, t.dtype)
-        cast = [None if t is None else t.to(dtype) for t in (input, weight, bias)]
-        with named(call):
-            if rms:
-                out = _ops.rms_norm(cast[0], list(shape), cast[1], float(eps))
-            else:
-                out = _ops.layer_norm(cast[0], list(shape), cast[1], cast[2], float(eps))
-        return out.to(out_dtype)
+    input, weight, bias = _autocast_cast([input, weight, bias])
+    out_dtype = weight.dtype if mixed else input.dtype
+    dtype = input.dtype
+    for t in (weight, bias):
+        if t is not None:
+            dtype = torch.promote_types(dtype, t.dtype)
+    cast = [None if t is None else t.to(dtype) for t in (input, weight, bias)]
+    with named(call):
+        if rms:
+            out = _ops.rms_norm(cast[0], list(shape), cast[1], float(eps))
+        else:
+            out = _ops.layer_norm(cast[0], list(shape), cast[1], cast[2], float(eps))
+    return out.to(out_dtype)
 
 
 # memory_efficient: Apex saves the output instead of the input for backward; mixprec's ops save
