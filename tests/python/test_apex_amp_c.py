@@ -249,6 +249,7 @@ def test_ops_never_sync_the_host(gen):
         amp_c.multi_tensor_axpby(65536, noop, [ts, ts, out], 1.0, 2.0, -1)
         amp_c.multi_tensor_sgd(65536, noop, [g, p, m], 0.0, 0.9, 0.0, 0.1, False, True, False, 0.5)
         amp_c.multi_tensor_adam(65536, noop, [g, p, m, v], 1e-3, 0.9, 0.99, 1e-8, 1, 1, 1, 0.0)
+        amp_c.multi_tensor_adagrad(65536, noop, [g, p, v], 1e-3, 1e-10, 1, 0.01)
         amp_c.multi_tensor_lamb(65536, noop, [g, p, m, v], 1e-3, 0.9, 0.99, 1e-6, 1, 1, 0.01, 1, 1, inv, 1.0)
         amp_c.multi_tensor_novograd(65536, noop, [g, p, m], torch.ones(2, device="cuda"), 1e-3, 0.9, 0.99, 1e-8,
                                     1, 1, 0.0, 1, 1, 2)

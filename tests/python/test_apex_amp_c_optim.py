@@ -158,6 +158,28 @@ def test_adam_ignores_the_flag_like_apex(device, gen):
     assert noop.item() == 1 and not torch.equal(p[0], before[0])
 
 
+# ---- Adagrad ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_adagrad_vs_float64(device, gen, mode):
+    p = rand(gen, device)
+    h = [torch.full_like(t, 0.1) for t in p]
+    rp, rh = f64(p), f64(h)
+    for _ in range(3):
+        g = rand(gen, device)
+        before = snapshot(g)
+        multi_tensor_applier(amp_c.multi_tensor_adagrad, flag(device), [g, p, h], 1e-2, 1e-10, mode, 0.05)
+        assert_unchanged(before, g, "grads")
+        for i in range(len(p)):  # Apex's kernel, in float64
+            gi = g[i].double().cpu() + (0.05 * rp[i] if mode == 0 else 0.0)
+            rh[i] = rh[i] + gi * gi
+            update = gi / (rh[i].sqrt() + 1e-10) + (0.05 * rp[i] if mode == 1 else 0.0)
+            rp[i] = rp[i] - 1e-2 * update
+    for i in range(len(p)):
+        assert_rel_err(p[i], rp[i], 1e-5, f"params[{i}]")
+        assert_rel_err(h[i], rh[i], 1e-5, f"state_sum[{i}]")
+
+
 # ---- LAMB -------------------------------------------------------------------------------------------
 
 def lamb_reference(g, p, m, v, lr, b1, b2, eps, step, bias_correction, wd, grad_averaging, mode, ggn, max_norm,
@@ -274,6 +296,8 @@ def test_optimizer_ops_refuse_bad_input_and_change_nothing(device, gen):
          lambda: amp_c.multi_tensor_sgd(65536, noop, [g, p, half], 0.0, 0.9, 0.0, 0.1, False, False, False, 1.0)),
         (ValueError, r"multi_tensor_sgd: mixprec::sgd_: nesterov",
          lambda: amp_c.multi_tensor_sgd(65536, noop, [g, p, m], 0.0, 0.9, 0.5, 0.1, True, False, False, 1.0)),
+        (NotImplementedError, r"multi_tensor_adagrad: tensor_lists\[2\]\[0\] \(state_sum\) is torch.float16",
+         lambda: amp_c.multi_tensor_adagrad(65536, noop, [g, p, half], 1e-2, 1e-10, 0, 0.0)),
         (ValueError, "multi_tensor_adam: invalid mode 2",
          lambda: amp_c.multi_tensor_adam(65536, noop, [g, p, m, v], 1e-3, 0.9, 0.99, 1e-8, 1, 2, 1, 0.0)),
         (ValueError, "multi_tensor_adam: mixprec::adam_: step",

@@ -223,6 +223,21 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
                    step=int(step))
 
 
+def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay) -> None:
+    """Apex's Adagrad step over ``tensor_lists = [grads, params, state_sums]``: ``mode`` 0 adds L2
+    decay to the gradient, 1 decays decoupled; the sums are float32. Like Apex's kernel it neither
+    reads nor sets noop_flag."""
+    call = "amp_C.multi_tensor_adagrad"
+    w_mode = _mode(call, "mode", mode)
+    g, p, h = _check(call, chunk_size, noop_flag, tensor_lists, (3,))
+    if not g:
+        return
+    _fp32_state(call, [g, p, h], 2, "state_sum")
+    with _named(call):
+        _ops.adagrad_(p, g, h, lr=float(lr), eps=float(epsilon), weight_decay=float(weight_decay),
+                      adagrad_w_mode=w_mode, step=1)
+
+
 def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, bias_correction,
                       weight_decay, grad_averaging, mode, global_grad_norm, max_grad_norm, use_nvlamb=None) -> None:
     """Apex's LAMB step over ``tensor_lists = [grads, params, exp_avgs, exp_avg_sqs]``: grads
@@ -285,7 +300,6 @@ NOT_PROVIDED = {
     "multi_tensor_unscale_l2norm_mp": "multi_tensor_unscale_l2norm",
     "multi_tensor_adam_capturable": "mixprec.optimizers.FusedAdam(capturable=True)",
     "multi_tensor_adam_capturable_master": "mixprec.optimizers.FusedAdam(capturable=True, master_weights=True)",
-    "multi_tensor_adagrad": "mixprec.optimizers.FusedAdagrad",
     "multi_tensor_lamb_mp": "mixprec.optimizers.FusedLAMB",
     "multi_tensor_lamb_stage1_cuda": "multi_tensor_lamb or mixprec.optimizers.FusedLAMB",
     "multi_tensor_lamb_stage2_cuda": "multi_tensor_lamb or mixprec.optimizers.FusedLAMB",
