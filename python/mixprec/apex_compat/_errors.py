@@ -15,7 +15,12 @@ def named(call: str):
     except NotImplementedError:
         raise
     except (RuntimeError, ValueError, TypeError) as e:
-        raise type(e)(f"{call}: {e}") from e
+        message = f"{call}: {e}"
+        try:
+            renamed = type(e)(message)
+        except TypeError:  # an error class whose constructor takes more than a message
+            renamed = RuntimeError(message)
+        raise renamed from e
 
 
 def not_provided_getattr(module: str, not_provided: dict[str, str], exc_type=AttributeError):
