@@ -1,5 +1,6 @@
-"""The opt-in legacy alias: ``import apex``, ``from apex import amp`` and ``from apex.optimizers
-import FusedAdam`` resolve to mixprec when no real apex is installed.
+"""The opt-in legacy alias: ``import apex``, ``from apex import amp``, ``from apex.optimizers
+import FusedAdam`` (and apex.multi_tensor_apply, apex.parallel.LARC, apex.normalization and the
+top-level ``amp_C``, see mixprec.apex_compat) resolve to mixprec when no real apex is installed.
 
 Turn it on with ``mixprec.enable_apex_alias()`` or the environment variable
 ``MIXPREC_APEX_ALIAS=1``. The variable is read at interpreter start-up by the
@@ -22,12 +23,34 @@ import types
 
 #: apex module name -> the mixprec module that stands in for it.
 ALIASES = {
-    "apex": None,  # a small package module made here, with amp and optimizers attributes
+    "apex": None,  # a small package module made here (see PACKAGES)
     "apex.amp": "mixprec.amp",
     "apex.optimizers": "mixprec.optimizers",
+    "apex.multi_tensor_apply": "mixprec.apex_compat.multi_tensor_apply",
+    "apex.parallel": "mixprec.apex_compat.parallel",
+    "apex.parallel.LARC": "mixprec.apex_compat.larc",
+    "apex.normalization": "mixprec.apex_compat.normalization",
+    "apex.normalization.fused_layer_norm": "mixprec.apex_compat.normalization",
+    "amp_C": "mixprec.apex_compat.amp_c",
+}
+
+#: Aliases that are packages in Apex (they have submodules): each is a module made here holding
+#: Apex's public names of the package, taken from its mixprec module, so that importing a
+#: submodule (which sets an attribute on its parent) never touches a mixprec module.
+PACKAGES = {
+    "apex": (),
+    "apex.parallel": ("LARC",),
+    "apex.normalization": ("FusedLayerNorm", "MixedFusedLayerNorm", "FusedRMSNorm", "MixedFusedRMSNorm"),
 }
 
 ENV_VAR = "MIXPREC_APEX_ALIAS"
+
+
+def _apex_getattr(name: str):
+    """``apex.<name>`` for an aliased submodule not imported yet (Apex's __init__ imports them all)."""
+    if f"apex.{name}" in ALIASES:
+        return importlib.import_module(f"apex.{name}")
+    raise AttributeError(f"module 'apex' (mixprec's stand-in) has no attribute {name!r}")
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -35,14 +58,14 @@ class _AliasLoader(importlib.abc.Loader):
         self.fullname = fullname
 
     def create_module(self, spec):
-        target = ALIASES[self.fullname]
-        if target is not None:
-            module = importlib.import_module(target)
-            self._own_spec = module.__spec__  # the import system overwrites it; put back below
+        if self.fullname in PACKAGES:
+            module = types.ModuleType(self.fullname, f"mixprec standing in for {self.fullname} "
+                                                     "(mixprec.enable_apex_alias)")
+            module.__path__ = []  # a package, so that its submodules are importable
+            module.__mixprec_alias__ = True
             return module
-        module = types.ModuleType("apex", "mixprec standing in for apex (mixprec.enable_apex_alias)")
-        module.__path__ = []  # a package, so that apex.amp and apex.optimizers are importable
-        module.__mixprec_alias__ = True
+        module = importlib.import_module(ALIASES[self.fullname])
+        self._own_spec = module.__spec__  # the import system overwrites it; put back below
         return module
 
     def exec_module(self, module) -> None:
@@ -52,15 +75,29 @@ class _AliasLoader(importlib.abc.Loader):
         if self.fullname == "apex":
             module.amp = importlib.import_module("mixprec.amp")
             module.optimizers = importlib.import_module("mixprec.optimizers")
+            module.__getattr__ = _apex_getattr
+        elif self.fullname in PACKAGES:
+            target = importlib.import_module(ALIASES[self.fullname])
+            module.__doc__ = target.__doc__
+            if hasattr(target, "__getattr__"):
+                module.__getattr__ = target.__getattr__  # names not provided say what to use instead
+            # Submodules first, as Apex's __init__ does: importing one binds it on the package, and
+            # the names bound next win (apex.parallel.LARC is the class, not the module).
+            for child in ALIASES:
+                if child.rpartition(".")[0] == self.fullname:
+                    importlib.import_module(child)
+            for name in PACKAGES[self.fullname]:
+                setattr(module, name, getattr(target, name))
 
 
 class _ApexAliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in ALIASES:
             return None
-        if fullname != "apex" and not getattr(sys.modules.get("apex"), "__mixprec_alias__", False):
-            return None  # a real apex package is imported: its submodules are its own
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(fullname), is_package=fullname == "apex")
+        if fullname != "apex" and sys.modules.get("apex") is not None and \
+                not getattr(sys.modules["apex"], "__mixprec_alias__", False):
+            return None  # a real apex package is imported: its submodules and amp_C are its own
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(fullname), is_package=fullname in PACKAGES)
 
 
 def _installed() -> bool:
@@ -68,7 +105,7 @@ def _installed() -> bool:
 
 
 def enable_apex_alias() -> bool:
-    """Makes ``import apex`` (and ``apex.amp``, ``apex.optimizers``) resolve to mixprec unless a
+    """Makes ``import apex`` (and the submodules and ``amp_C`` in ALIASES) resolve to mixprec unless a
     real apex is importable. Returns True when the alias is active, False when a real apex was
     found (and is used instead). Idempotent."""
     real = sys.modules.get("apex")
@@ -84,9 +121,12 @@ def enable_apex_alias() -> bool:
 def disable_apex_alias() -> None:
     """Removes the alias and forgets the aliased modules (for tests and embedding)."""
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _ApexAliasFinder)]
-    if getattr(sys.modules.get("apex"), "__mixprec_alias__", False):
-        for name in list(ALIASES):
-            sys.modules.pop(name, None)
+    if getattr(sys.modules.get("apex"), "__mixprec_alias__", False) or sys.modules.get("apex") is None:
+        for name in ALIASES:
+            module = sys.modules.get(name)
+            if module is not None and (getattr(module, "__mixprec_alias__", False) or
+                                       module.__name__.startswith("mixprec.")):
+                del sys.modules[name]
 
 
 def enable_from_env() -> bool:

@@ -256,3 +256,91 @@ def test_apex_documented_example_runs_unchanged_on_cpu(opt_in, tmp_path):
 def test_apex_documented_example_runs_unchanged_on_cuda(tmp_path):
     r = run_python(pth_prelude(tmp_path) + APEX_EXAMPLE + CHECK, tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
     assert r.returncode == 0 and "EXAMPLE-OK True" in r.stdout, r.stdout + r.stderr
+
+
+# -- the Megatron-LM/NeMo-era modules: multi_tensor_apply, amp_C, parallel.LARC, normalization -----
+MEGATRON_IMPORTS = '''
+import sys, torch
+import apex.multi_tensor_apply
+from apex.multi_tensor_apply import multi_tensor_applier
+import amp_C
+from apex.parallel import LARC
+from apex.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm
+from apex.normalization.fused_layer_norm import fused_layer_norm_affine, mixed_dtype_fused_rms_norm_affine
+import apex.parallel.LARC
+from apex.parallel.LARC import LARC as LARC2
+import mixprec.apex_compat as compat
+assert multi_tensor_applier is compat.multi_tensor_applier and amp_C is compat.amp_c
+assert LARC is LARC2 is compat.LARC and apex.parallel.LARC is compat.LARC  # the class, not the module
+assert FusedLayerNorm is compat.FusedLayerNorm and FusedRMSNorm is compat.FusedRMSNorm
+assert fused_layer_norm_affine is compat.fused_layer_norm_affine
+assert apex.normalization.fused_layer_norm is compat.normalization
+# Apex's own call shape, end to end through the alias.
+noop = torch.zeros(1, dtype=torch.int32)
+norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, noop, [[torch.full((4,), 2.0)]], False)
+assert norm.item() == 4.0 and noop.item() == 0
+for name in ("DistributedDataParallel", "SyncBatchNorm", "convert_syncbn_model"):
+    try:
+        exec(f"from apex.parallel import {name}")
+        raise SystemExit(name + " must not import")
+    except ImportError as e:
+        assert "not provided by mixprec" in str(e) and "torch" in str(e), e
+print("IMPORTS-OK")
+'''
+
+
+def test_alias_resolves_megatron_era_modules_and_disable_forgets_them(tmp_path):
+    r = run_python("import mixprec, sys\nassert mixprec.enable_apex_alias()\n" + MEGATRON_IMPORTS + textwrap.dedent('''
+        import apex
+        assert apex.multi_tensor_apply is sys.modules["apex.multi_tensor_apply"]
+        mixprec.apex_alias.disable_apex_alias()
+        names = ("apex", "amp_C", "apex.parallel", "apex.parallel.LARC", "apex.normalization",
+                 "apex.normalization.fused_layer_norm", "apex.multi_tensor_apply")
+        assert not [n for n in names if n in sys.modules], [n for n in names if n in sys.modules]
+        for name in names:
+            try:
+                __import__(name)
+                raise SystemExit(name + " still imports")
+            except ModuleNotFoundError:
+                pass
+        print("FORGOTTEN")
+    '''), tmp_path, {"MIXPREC_APEX_ALIAS": "0"})
+    assert r.returncode == 0 and "IMPORTS-OK" in r.stdout and "FORGOTTEN" in r.stdout, r.stdout + r.stderr
+
+
+def test_amp_c_needs_the_opt_in_and_never_shadows_a_real_apex(tmp_path):
+    r = run_python('''
+        import mixprec
+        try:
+            import amp_C
+            raise SystemExit("amp_C must be absent without the opt-in")
+        except ModuleNotFoundError:
+            print("ABSENT")
+    ''', tmp_path, {"MIXPREC_APEX_ALIAS": "0"})
+    assert r.returncode == 0 and "ABSENT" in r.stdout, r.stderr
+    real = tmp_path / "site" / "apex"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("REAL = True\n")
+    r = run_python('''
+        import mixprec.apex_alias as alias
+        assert alias.enable_apex_alias() is False
+        import apex
+        for name in ("amp_C", "apex.parallel", "apex.normalization"):
+            try:
+                __import__(name)
+                raise SystemExit(name + " must come from the real apex or nowhere")
+            except ModuleNotFoundError:
+                pass
+        print("REAL-ONLY")
+    ''', tmp_path, {"MIXPREC_APEX_ALIAS": "1"}, pythonpath=str(tmp_path / "site"))
+    assert r.returncode == 0 and "REAL-ONLY" in r.stdout, r.stderr
+
+
+def test_env_var_alias_serves_amp_c_imported_first(tmp_path):
+    # Megatron imports amp_C before apex in some files: the start-up hook answers amp_C too.
+    r = run_python(pth_prelude(tmp_path) + textwrap.dedent('''
+        import sys
+        import amp_C
+        assert "mixprec" in sys.modules and amp_C.__name__ == "mixprec.apex_compat.amp_c"
+    ''') + MEGATRON_IMPORTS, tmp_path, {"MIXPREC_APEX_ALIAS": "1"})
+    assert r.returncode == 0 and "IMPORTS-OK" in r.stdout and not r.stderr, r.stdout + r.stderr
