@@ -50,12 +50,15 @@ def train_step(model, opt, gen, poison=None, inside=False):
 
 
 def scale_in_force(model, opt, gen) -> float:
-    """The factor scale_loss applies now (0 when amp is off)."""
+    """The factor scale_loss applies now, checked against amp.loss_scale() read before the
+    block (its backward may overflow in float16 and halve the scale on exit)."""
     loss = model(random_tensor((4, 8), torch.float32, "cpu", gen)).float().pow(2).mean()
+    expected = amp.loss_scale()
     with amp.scale_loss(loss, opt) as scaled:
         factor = (scaled / loss.float()).item()
         scaled.backward()
     opt.zero_grad()
+    assert factor == expected
     return factor
 
 
@@ -86,7 +89,7 @@ def test_refused_initialize_keeps_the_running_amp(kwargs, exc, match, gen):
         amp.initialize(other, other_opt, **kwargs)
     assert_same_world(before, amp_world([model, other], [opt, other_opt]))
     # amp still scales and still skips overflowing steps for the model initialized before.
-    assert scale_in_force(model, opt, gen) == amp.loss_scale() > 1
+    assert scale_in_force(model, opt, gen) > 1
     params = [p.detach().clone() for p in model.parameters()]
     train_step(model, opt, gen, poison=math.inf)
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters())), "the overflowing step was applied"
@@ -129,7 +132,7 @@ def test_loss_scaler_scale_is_settable_and_checked(gen):
     scaler = _amp_state.loss_scalers[0]
     assert scaler._loss_scale == amp.loss_scale() == 2.0**16
     scaler._loss_scale = 128.0
-    assert scale_in_force(model, opt, gen) == 128.0 == amp.loss_scale()
+    assert scale_in_force(model, opt, gen) == 128.0
     assert _amp_state.opt_properties.opt_level == "O2" and _amp_state.opt_properties.master_weights
     for bad in (math.nan, math.inf, 0.0, -2.0, "x", True, torch.tensor([1.0, 2.0])):
         before = amp_world([model], [opt])
