@@ -14,7 +14,8 @@ import torch
 
 from . import distributed as _dist
 from ._dtensor import local_all
-from ._loss_scale import Replicator, ScaleState, _check_number, check_and_unscale_, combine_found, validate_extra_state
+from . import _grad_scaler_checks as checks
+from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found
 from ._step_guard import StepGuard
 
 __all__ = ["GradScaler", "OptState"]
@@ -105,42 +106,56 @@ class GradScaler:
             self._enabled = False
         self._sync_skip = None if sync_skip is None else bool(sync_skip)
         if self._enabled:
-            if growth_factor <= 1.0:
-                raise AssertionError("The growth factor must be > 1.0.")
-            if backoff_factor >= 1.0:
-                raise AssertionError("The backoff factor must be < 1.0.")
-            _check_number("growth_interval", growth_interval, integer=True, lo=1)
-            self._state = ScaleState(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-                                     min_scale, max_scale, history_size)
+            a = checks.check_constructor(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                                         min_scale, max_scale, history_size)
+            self._state = ScaleState(a["init_scale"], a["growth_factor"], a["backoff_factor"], a["growth_interval"],
+                                     a["hysteresis"], a["min_scale"], a["max_scale"], a["history_size"])
             self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
             self._guards: WeakKeyDictionary = WeakKeyDictionary()
 
-    # torch's private attribute names, kept for code that reads them.
+    # -- torch's private names ---------------------------------------------------------------------
+    # Code written for torch.amp.GradScaler (subclasses, FSDP's and Lightning's helpers) reads and
+    # writes these and overrides the methods below; they map onto the device state, and the public
+    # methods go through them, so an override takes effect as it would on torch's class.
+    def _state_field(name: str, doc: str):  # noqa: N805  (a property factory run at class creation)
+        def get(self):
+            return getattr(self._state, name)
+
+        def set_(self, value):
+            setattr(self._state, name, value)
+        return property(get, set_, doc=doc)
+
+    _init_scale = _state_field("init_scale", "The scale the device tensor starts from (a Python float).")
+    _init_growth_tracker = _state_field("init_growth_tracker", "The growth tracker's starting value.")
+    _growth_factor = _state_field("growth_factor", "As get_growth_factor().")
+    _backoff_factor = _state_field("backoff_factor", "As get_backoff_factor().")
+    _growth_interval = _state_field("growth_interval", "As get_growth_interval().")
+    _growth_tracker = _state_field("growth_tracker", "The device growth tracker (int32), None before scale().")
+    del _state_field
+
     @property
     def _scale(self) -> Optional[torch.Tensor]:
-        return self._state.scale if self._enabled else None
+        """The device scale (float32), None before the first scale()."""
+        return self._state.scale
 
-    @property
-    def _growth_tracker(self) -> Optional[torch.Tensor]:
-        return self._state.growth_tracker if self._enabled else None
+    @_scale.setter
+    def _scale(self, value: Optional[torch.Tensor]) -> None:
+        self._state.scale = value
+        if value is not None:  # mixprec's trackers beside a scale set the torch way
+            self._state.init_extra(value.device)
 
-    @property
-    def _growth_factor(self) -> float:
-        return self._state.growth_factor
-
-    @property
-    def _backoff_factor(self) -> float:
-        return self._state.backoff_factor
-
-    @property
-    def _growth_interval(self) -> int:
-        return self._state.growth_interval
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._state.lazy_init(dev)
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
         fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if self._state.scale is None:
+        if self._scale is None:
             raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        return self._state.scale, self._state.growth_tracker
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
 
     # -- scale ----------------------------------------------------------------------------------
     def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]):
@@ -148,15 +163,17 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            self._state.lazy_init(outputs.device)
-            return outputs * self._state.scale.to(device=outputs.device, non_blocking=True)
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
         stash: list[Replicator] = []
 
         def apply_scale(val):
             if isinstance(val, torch.Tensor):
                 if not stash:
-                    self._state.lazy_init(val.device)
-                    stash.append(Replicator(self._state.scale))
+                    if self._scale is None:
+                        self._lazy_init_scale_growth_tracker(val.device)
+                    stash.append(Replicator(self._scale))
                 return val * stash[0].get(val.device)
             if isinstance(val, abc.Iterable):
                 iterable = map(apply_scale, val)
@@ -169,12 +186,15 @@ class GradScaler:
 
     # -- unscale / check ------------------------------------------------------------------------
     @staticmethod
-    def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    def _grads_of(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[torch.Tensor]:
         grads = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
+                if not allow_fp16 and param.grad.dtype is torch.float16:
+                    # Before any grad is touched (the sparse coalesce below), so a refusal changes nothing.
+                    raise checks.fp16_unscale_error(optimizer, gi, pi)
                 if param.grad.is_sparse:
                     # Duplicate indices would be summed later; summed scaled fp16 values may
                     # overflow, so check the coalesced values (as torch does).
@@ -186,10 +206,12 @@ class GradScaler:
         return local_all(grads)  # FSDP2's DTensor gradients: this rank's shards
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Optional[torch.Tensor],
-                        found_inf: torch.Tensor, allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """torch's hook: checks (and with ``inv_scale`` multiplies) the optimizer's grads; returns
+        found_inf per device. ``inv_scale=None`` checks only (torch passes a tensor of ones)."""
+        grads = self._grads_of(optimizer, allow_fp16)
         found = Replicator(found_inf)
         per_device: dict[torch.device, torch.Tensor] = {}
-        grads = self._grads_of(optimizer)
         for g in grads:
             if g.device not in per_device:
                 per_device[g.device] = found.get(g.device)
@@ -199,28 +221,49 @@ class GradScaler:
         _dist.agree_found_inf_(per_device, self._process_group, found_inf.device)
         return per_device
 
+    def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # Looked up without inserting: a refused call must leave _per_optimizer_states as it was.
+        return self._per_optimizer_states.get(id(optimizer)) or _refresh_per_optimizer_state()
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale, in place, and records whether any was
-        inf/NaN (on the device). Optional: :meth:`step` does it otherwise. Never syncs."""
+        inf/NaN (on the device). Optional: :meth:`step` does it otherwise. Never syncs.
+
+        float16 gradients are refused with torch's ``ValueError("Attempting to unscale FP16
+        gradients.")``, and nothing changes: dividing them by the scale in place flushes the small
+        ones to zero (about 2% of a typical model's values at 2**16). A mixprec fused optimizer
+        needs no unscale_: ``step`` hands it the scale and its kernel unscales in float32 (into
+        the fp32 masters with ``master_weights=True``). To clip float16 gradients, clip the
+        still-scaled ones against ``max_norm`` times the scale, which loses nothing::
+
+            grads = [p.grad for p in params if p.grad is not None]
+            norm, _ = mixprec.multi_tensor_norm(grads)        # float32 accumulation, no overflow
+            coef = (max_norm * scaler._get_scale_async() / (norm + 1e-6)).clamp_(max=1.0)
+            mixprec.scale_(grads, coef)                       # on the device, no sync
+            scaler.step(optimizer)
+        """
         if not self._enabled:
             return
         self._check_scale_growth_tracker("unscale_")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        checks.check_optimizer("GradScaler.unscale_", optimizer)
+        optimizer_state = self._opt_state(optimizer)
         if optimizer_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._state.scale.device)
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._state.inv_scale(), found_inf)
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        inv_scale = self._scale.double().reciprocal().float()  # as torch: the reciprocal in float64
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
         optimizer_state["stage"] = OptState.UNSCALED
+        self._per_optimizer_states[id(optimizer)] = optimizer_state
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """The read-only check (no unscale) for optimizers that unscale in their kernel."""
-        self._check_scale_growth_tracker("_check_inf_per_device")
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._state.scale.device)
-        state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, None, found_inf)
-        return state["found_inf_per_device"]
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        per_device = self._unscale_grads_(optimizer, None, found_inf, True)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
+        return per_device
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
@@ -229,44 +272,54 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Optional[float]:
         """Unscales (unless :meth:`unscale_` was called) and steps ``optimizer``; a step whose
         gradients hold inf/NaN changes nothing. Returns ``optimizer.step``'s result (which, unlike
-        torch's scaler, also runs for a skipped step on the device path; see ``sync_skip``)."""
+        torch's scaler, also runs for a skipped step on the device path; see ``sync_skip``).
+        As torch's: an optimizer that unscales in its kernel (``_step_supports_amp_scaling``) and
+        has no gradient this iteration is stepped as a no-op, while any other optimizer without
+        gradients raises "No inf checks were recorded"; and update() needs some optimizer's check."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is OptState.STEPPED:
+        checks.check_optimizer("GradScaler.step", optimizer)
+        if self._opt_state(optimizer)["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._fused_step(optimizer, optimizer_state, args, kwargs)
+            return self._fused_step(optimizer, args, kwargs)
 
-        if optimizer_state["stage"] is OptState.READY:
+        if self._opt_state(optimizer)["stage"] is OptState.READY:
             self.unscale_(optimizer)
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
         if len(optimizer_state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
+                        *args: Any, **kwargs: Any) -> Optional[float]:
+        """torch's hook: steps ``optimizer`` unless this iteration's found_inf is set. Here on the
+        device (no sync) unless ``sync_skip`` or host memory make reading found_inf free."""
         per_device = optimizer_state["found_inf_per_device"]
-        found = combine_found(per_device.values(), self._state.scale.device)
+        found = combine_found(per_device.values(), self._scale.device)
         sync_skip = self._sync_skip
         if sync_skip is None:  # host memory: reading found_inf is free, snapshotting is not
             sync_skip = found.device.type == "cpu" and all(d.type == "cpu" for d in per_device)
         if sync_skip:
-            retval = optimizer.step(*args, **kwargs) if not found.item() else None
-        else:
-            guard = self._guards.get(optimizer)
-            if guard is None:
-                guard = self._guards[optimizer] = StepGuard()
-            StepGuard.make_capturable(optimizer)
-            retval = guard.step(optimizer, found, optimizer.step, *args, **kwargs)
-        optimizer_state["stage"] = OptState.STEPPED
-        return retval
+            return optimizer.step(*args, **kwargs) if not found.item() else None
+        guard = self._guards.get(optimizer)
+        if guard is None:
+            guard = self._guards[optimizer] = StepGuard()
+        StepGuard.make_capturable(optimizer)
+        return guard.step(optimizer, found, optimizer.step, *args, **kwargs)
 
-    def _fused_step(self, optimizer, optimizer_state, args, kwargs):
+    def _fused_step(self, optimizer, args, kwargs):
         # The optimizer unscales and skips in its own kernel: hand it the scale and found_inf as
         # attributes (torch's contract), or itself through the deprecated grad_scaler keyword.
         kwargs_ = kwargs
         has_grad_scaler_kwarg = _takes_grad_scaler(optimizer.step)
+        optimizer_state = self._opt_state(optimizer)
         if has_grad_scaler_kwarg:
             _dist.rank0_warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -276,45 +329,58 @@ class GradScaler:
             )
             kwargs_.update({"grad_scaler": self})
         else:
+            existed = id(optimizer) in self._per_optimizer_states
+            self._per_optimizer_states[id(optimizer)] = optimizer_state
             if optimizer_state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
-            scale = self._state.scale
-            found = combine_found(optimizer_state["found_inf_per_device"].values(), scale.device)
+            scale = self._get_scale_async()
+            per_device = optimizer_state["found_inf_per_device"]
+            # No gradient at all (an idle or frozen sub-model): torch steps with found_inf 0.
+            found = (combine_found(per_device.values(), scale.device) if per_device
+                     else torch.zeros((), dtype=torch.float32, device=scale.device))
             if optimizer_state["stage"] is OptState.UNSCALED:
                 optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
             else:
+                # A new tensor, as torch's product is: an in-place op of the optimizer on it must
+                # not change the scale (a device-side copy, no sync).
                 preset = getattr(optimizer, "grad_scale", None)
-                optimizer.grad_scale = scale if preset is None else scale * preset
+                optimizer.grad_scale = scale.clone() if preset is None else scale * preset
             optimizer.found_inf = found
-        retval = optimizer.step(*args, **kwargs_)
+        try:
+            retval = optimizer.step(*args, **kwargs_)
+        except BaseException:
+            if not has_grad_scaler_kwarg and not existed:  # the optimizer refused: no record of this try
+                self._per_optimizer_states.pop(id(optimizer), None)
+            raise
+        finally:
+            if not has_grad_scaler_kwarg:  # never left behind for a later plain step()
+                del optimizer.grad_scale
+                del optimizer.found_inf
+        self._per_optimizer_states[id(optimizer)] = optimizer_state
         optimizer_state["stage"] = OptState.STEPPED
-        if not has_grad_scaler_kwarg:
-            del optimizer.grad_scale
-            del optimizer.found_inf
         return retval
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
         """Updates the scale on the device from every optimizer's found_inf of this iteration
         (backoff on overflow, after ``hysteresis`` of them; growth after ``growth_interval``
-        clean steps; within ``min_scale``/``max_scale``), or sets ``new_scale``. Never syncs."""
+        clean steps; within ``min_scale``/``max_scale``), or sets ``new_scale``. Never syncs,
+        except to check a ``new_scale`` tensor's value on a GPU.
+
+        ``new_scale``: a float (or, beyond torch, an int or numpy number), or as torch requires a
+        0-dim tensor on this scaler's device type with ``requires_grad=False``; it must be a
+        positive normal float32 within ``min_scale``/``max_scale``: a 0, inf or NaN scale would
+        corrupt every later step, so it is refused and nothing changes."""
         if not self._enabled:
             return
         scale, _ = self._check_scale_growth_tracker("update")
         found_infs = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
         if new_scale is not None:
-            if isinstance(new_scale, float):
-                scale.fill_(new_scale)
+            value = checks.check_new_scale(new_scale, self._device, self._state)
+            if isinstance(value, torch.Tensor):
+                scale.copy_(value)
             else:
-                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                          "torch.FloatTensor with requires_grad=False.")
-                if new_scale.device.type != self._device:
-                    raise AssertionError(reason)
-                if new_scale.numel() != 1:
-                    raise AssertionError(reason)
-                if new_scale.requires_grad is True:
-                    raise AssertionError(reason)
-                scale.copy_(new_scale.reshape(()))
+                scale.fill_(value)
             if found_infs:
                 self._state.count_skip(combine_found(found_infs, scale.device))
         else:
@@ -325,32 +391,44 @@ class GradScaler:
 
     # -- getters and setters ----------------------------------------------------------------------
     def _get_scale_async(self) -> Optional[torch.Tensor]:
-        return self._state.scale if self._enabled else None
+        return self._scale
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled). Syncs."""
-        return self._state.get_scale() if self._enabled else 1.0
+        if not self._enabled:
+            return 1.0
+        scale = self._get_scale_async()
+        return float(self._init_scale) if scale is None else float(scale.item())
 
     def get_growth_factor(self) -> float:
-        return self._state.growth_factor
+        return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._state.growth_factor = new_factor
+        """Sets the growth factor: a finite number > 1 (torch checks nothing here)."""
+        self._growth_factor = checks.check_growth_factor("GradScaler.set_growth_factor: new_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
-        return self._state.backoff_factor
+        return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._state.backoff_factor = new_factor
+        """Sets the backoff factor: a number in (0, 1) (torch checks nothing here)."""
+        self._backoff_factor = checks.check_backoff_factor("GradScaler.set_backoff_factor: new_factor", new_factor)
 
     def get_growth_interval(self) -> int:
-        return self._state.growth_interval
+        return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._state.growth_interval = new_interval
+        """Sets the growth interval: an integer >= 0 (0: never grow, as in torch). Lowered below the
+        current growth tracker, the scale grows on the next clean step, where torch's never grows
+        again (its tracker must equal the interval): a deliberate difference."""
+        self._growth_interval = checks.check_growth_interval("GradScaler.set_growth_interval: new_interval",
+                                                             new_interval)
 
     def _get_growth_tracker(self) -> int:
-        return self._state.get_growth_tracker() if self._enabled else 0
+        if not self._enabled:
+            return 0
+        tracker = self._growth_tracker
+        return int(self._init_growth_tracker) if tracker is None else int(tracker.item())
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -373,45 +451,27 @@ class GradScaler:
             return {}
         out = {
             "scale": self.get_scale(),
-            "growth_factor": self._state.growth_factor,
-            "backoff_factor": self._state.backoff_factor,
-            "growth_interval": self._state.growth_interval,
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
             "_growth_tracker": self._get_growth_tracker(),
         }
         out.update(self._state.extra_state())
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state_dict of this class or of torch.amp.GradScaler, validating it all first."""
+        """Loads a state_dict of this class or of torch.amp.GradScaler (numbers, numpy scalars or
+        0-dim tensors), validating all of it first: a refused checkpoint changes nothing."""
         if not self._enabled:
             return
-        if len(state_dict) == 0:
+        if isinstance(state_dict, abc.Mapping) and len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
-        where = "GradScaler.load_state_dict: state_dict"
-        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
-            if key not in state_dict:
-                raise KeyError(f"{where} has no {key!r}")
-        _check_number(f"{where}['scale']", state_dict["scale"], lo=0, lo_open=True)
-        _check_number(f"{where}['growth_factor']", state_dict["growth_factor"], lo=1.0, lo_open=True)
-        _check_number(f"{where}['backoff_factor']", state_dict["backoff_factor"], lo=0, lo_open=True,
-                      hi=1.0, hi_open=True)
-        _check_number(f"{where}['growth_interval']", state_dict["growth_interval"], integer=True, lo=1)
-        _check_number(f"{where}['_growth_tracker']", state_dict["_growth_tracker"], integer=True, lo=0)
-        extra = validate_extra_state(state_dict, where)
-        min_scale = extra.get("min_scale", self._state.min_scale)
-        max_scale = extra.get("max_scale", self._state.max_scale)
-        if min_scale is not None and max_scale is not None and max_scale < min_scale:
-            raise ValueError(f"{where}: max_scale {max_scale} < min_scale {min_scale}")
-
+        v = checks.check_state_dict(state_dict, self._state)
         s = self._state
-        s.growth_factor = float(state_dict["growth_factor"])
-        s.backoff_factor = float(state_dict["backoff_factor"])
-        s.growth_interval = int(state_dict["growth_interval"])
-        s.hysteresis = extra.get("hysteresis", s.hysteresis)
-        s.min_scale, s.max_scale = min_scale, max_scale
-        s.set_values(state_dict["scale"], state_dict["_growth_tracker"],
-                     extra.get("_hysteresis_tracker", s.hysteresis), extra.get("_skipped_steps"))
+        s.growth_factor, s.backoff_factor, s.growth_interval = v["growth_factor"], v["backoff_factor"], v["growth_interval"]
+        s.hysteresis, s.min_scale, s.max_scale = v["hysteresis"], v["min_scale"], v["max_scale"]
+        s.set_values(v["scale"], v["_growth_tracker"], v["_hysteresis_tracker"], v["_skipped_steps"])
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
