@@ -175,12 +175,14 @@ class GradScaler:
                         self._lazy_init_scale_growth_tracker(val.device)
                     stash.append(Replicator(self._scale))
                 return val * stash[0].get(val.device)
-            if isinstance(val, abc.Iterable):
+            # A string is iterable and its items are strings: torch's scaler recurses until the stack ends.
+            if isinstance(val, abc.Iterable) and not isinstance(val, (str, bytes)):
                 iterable = map(apply_scale, val)
                 if isinstance(val, (list, tuple)):
                     return type(val)(iterable)
                 return iterable
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+            raise ValueError(f"GradScaler.scale: outputs must be a Tensor or an iterable of Tensors, "
+                             f"got {type(val).__name__}")
 
         return apply_scale(outputs)
 
