@@ -19,7 +19,7 @@ class ScalerStateFront:
     _state: ScaleState
 
     # -- torch's private names ---------------------------------------------------------------------
-    # Code written for torch.amp.GradScaler (subclasses, FSDP's and Lightning's helpers) reads and
+    # Code written for torch.amp.GradScaler (subclasses, tools that inspect a scaler) reads and
     # writes these and overrides the methods below; they map onto the device state, and the public
     # methods go through them, so an override takes effect as it would on torch's class.
     def _state_field(name: str, doc: str):  # noqa: N805  (a property factory run at class creation)

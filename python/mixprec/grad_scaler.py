@@ -308,9 +308,12 @@ class GradScaler(ScalerStateFront):
                 self._check_inf_per_device(optimizer)
             scale = self._get_scale_async()
             per_device = optimizer_state["found_inf_per_device"]
-            # No gradient at all (an idle or frozen sub-model): torch steps with found_inf 0.
-            found = (combine_found(per_device.values(), scale.device) if per_device
-                     else torch.zeros((), dtype=torch.float32, device=scale.device))
+            if per_device:
+                found = combine_found(per_device.values(), scale.device)
+                if any(found is f for f in per_device.values()):
+                    found = found.clone()  # the optimizer's own, as torch's sum is: update() reads ours
+            else:  # no gradient at all (an idle or frozen sub-model): torch steps with found_inf 0
+                found = torch.zeros((), dtype=torch.float32, device=scale.device)
             if optimizer_state["stage"] is OptState.UNSCALED:
                 optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
             else:

@@ -145,7 +145,8 @@ def test_private_values_mean_what_torchs_mean():
 
 
 class CarelessScaledSGD(torch.optim.Optimizer):
-    """A custom optimizer that unscales itself and then scribbles on the grad_scale it was given."""
+    """A custom optimizer that unscales itself and then scribbles on the grad_scale and found_inf it
+    was given."""
 
     _step_supports_amp_scaling = True
 
@@ -161,9 +162,10 @@ class CarelessScaledSGD(torch.optim.Optimizer):
                     update = group["lr"] * p.grad / scale
                     p.sub_(torch.where(found != 0, torch.zeros_like(update), update))
         scale.mul_(0.0)  # must not reach the scaler's own scale (torch hands a product: a copy)
+        found.zero_()  # nor hide the overflow from update() (torch hands a sum: a copy)
 
 
-def test_a_custom_amp_optimizer_gets_a_copy_of_the_scale(seed):
+def test_a_custom_amp_optimizer_gets_copies_of_scale_and_found_inf(seed):
     logs = [Loop(seed, lambda ps: CarelessScaledSGD(ps, lr=0.1)).run(cls("cpu", init_scale=2.0**8, growth_interval=2),
                                                                     {3: math.inf}) for cls in SCALERS]
     assert_same_logs(*logs)
