@@ -131,20 +131,19 @@ def add_fp16_grad(mid: Mid, sparse: bool, gen) -> None:
 
 
 BAD_CALLS = [
-    ("scaled", "scale", lambda s: s.scale("loss"), ValueError, ["GradScaler.scale", "outputs"]),
-    ("scaled", "scale", lambda s: s.scale(3.0), ValueError, ["GradScaler.scale", "outputs"]),
-    ("scaled", "scale", lambda s: s.scale([None]), ValueError, ["GradScaler.scale", "outputs"]),
-    ("fresh", "unscale_", lambda s: s.unscale_(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1)),
-     AssertionError, ["unscale_", "_scale is None"]),
-    ("scaled", "unscale_", lambda s: s.unscale_(None), TypeError, ["GradScaler.unscale_", "optimizer"]),
-    ("unscaled", "unscale_", lambda s: s.unscale_(MID_OPT[0]), RuntimeError, ["unscale_() has already"]),
-    ("stepped", "unscale_", lambda s: s.unscale_(MID_OPT[0]), RuntimeError, ["after step()"]),
-    ("scaled", "step", lambda s: s.step(None), TypeError, ["GradScaler.step", "optimizer"]),
-    ("scaled", "step", lambda s: s.step(MID_OPT[0], closure=lambda: 0.0), RuntimeError, ["Closure"]),
-    ("stepped", "step", lambda s: s.step(MID_OPT[0]), RuntimeError, ["step() has already"]),
-    ("scaled", "update", lambda s: s.update(), AssertionError, ["No inf checks"]),
+    ("scaled", "scale", lambda s, opt: s.scale("loss"), ValueError, ["GradScaler.scale", "outputs"]),
+    ("scaled", "scale", lambda s, opt: s.scale(3.0), ValueError, ["GradScaler.scale", "outputs"]),
+    ("scaled", "scale", lambda s, opt: s.scale([None]), ValueError, ["GradScaler.scale", "outputs"]),
+    ("fresh", "unscale_", lambda s, opt: s.unscale_(opt), AssertionError, ["unscale_", "_scale is None"]),
+    ("fresh", "step", lambda s, opt: s.step(opt), AssertionError, ["step", "_scale is None"]),
+    ("scaled", "unscale_", lambda s, opt: s.unscale_(None), TypeError, ["GradScaler.unscale_", "optimizer"]),
+    ("unscaled", "unscale_", lambda s, opt: s.unscale_(opt), RuntimeError, ["unscale_() has already"]),
+    ("stepped", "unscale_", lambda s, opt: s.unscale_(opt), RuntimeError, ["after step()"]),
+    ("scaled", "step", lambda s, opt: s.step(None), TypeError, ["GradScaler.step", "optimizer"]),
+    ("scaled", "step", lambda s, opt: s.step(opt, closure=lambda: 0.0), RuntimeError, ["Closure"]),
+    ("stepped", "step", lambda s, opt: s.step(opt), RuntimeError, ["step() has already"]),
+    ("scaled", "update", lambda s, opt: s.update(), AssertionError, ["No inf checks"]),
 ]
-MID_OPT: list = []  # the optimizer of the scenario under test, for the lambdas above
 
 
 @pytest.mark.parametrize(("stage", "entry", "call", "exc", "names"), BAD_CALLS,
@@ -152,8 +151,7 @@ MID_OPT: list = []  # the optimizer of the scenario under test, for the lambdas 
 @pytest.mark.parametrize("fused", [False, True])
 def test_bad_calls_are_refused_and_change_nothing(stage, entry, call, exc, names, fused):
     mid = mid_iteration(stage, fused)
-    MID_OPT[:] = [mid.opt]
-    check_refused(mid, call, exc, *names)
+    check_refused(mid, lambda s: call(s, mid.opt), exc, *names)
 
 
 @pytest.mark.parametrize("entry", ["unscale_", "step"])
@@ -207,7 +205,9 @@ BAD_NEW_SCALES = [math.nan, math.inf, -math.inf, -1.0, 0.0, "x", True, [1.0], 1e
 def test_update_refuses_a_bad_new_scale(new_scale, stage):
     mid = mid_iteration(stage)
     check_refused(mid, lambda s: s.update(new_scale), (ValueError, AssertionError), "GradScaler.update", "new_scale")
-    mid.scaler.update(float(2**9)) if stage == "stepped" else None  # the iteration can still finish
+    if stage == "stepped":  # the iteration can still finish
+        mid.scaler.update(2.0**9)
+        assert mid.scaler.get_scale() == 2.0**9 and mid.scaler.skipped_steps == 1
 
 
 # ---- load_state_dict ----------------------------------------------------------------------------
