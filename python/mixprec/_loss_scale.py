@@ -5,6 +5,7 @@ and mixprec.amp's loss scalers."""
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional
@@ -14,6 +15,8 @@ import torch
 from . import _ops
 
 _OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+F32_MAX = torch.finfo(torch.float32).max
+INT32_MAX = 2**31 - 1
 
 
 def _flat_view(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -100,16 +103,47 @@ class Replicator:
         return t
 
 
-def _check_number(name: str, value: Any, *, integer: bool = False, lo: float | None = None,
-                  lo_open: bool = False, hi: float | None = None, hi_open: bool = False) -> None:
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or (not integer and not math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite {'int' if integer else 'number'}, got {value!r}")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and (value >= hi if hi_open else value > hi):
-        raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {value!r}")
+def _as_number(value: Any, integer: bool) -> Any:
+    """``value`` as a Python int (``integer``) or float, or None when it is not one: numbers.Integral
+    / numbers.Real (numpy scalars included) and 0-dim tensors of a matching dtype (torch's scaler
+    loads those), never bool."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            return None
+        if integer and value.is_floating_point():
+            return None
+        value = value.item()
+    if isinstance(value, (bool, torch.Tensor)):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if not integer and isinstance(value, numbers.Real):
+        return float(value)
+    return None
 
+
+def _check_number(name: str, value: Any, *, integer: bool = False, lo: float | None = None,
+                  lo_open: bool = False, hi: float | None = None, hi_open: bool = False,
+                  error: type = ValueError) -> Any:
+    """``value`` converted to int/float after checking it (``name`` says who asks for what);
+    raises ``error`` naming what is expected otherwise."""
+    v = _as_number(value, integer)
+    ok = v is not None and (integer or math.isfinite(v))
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v < hi if hi_open else v <= hi
+    if not ok:
+        bounds = [f"{op} {b!r}" for op, b in ((">" if lo_open else ">=", lo), ("<" if hi_open else "<=", hi))
+                  if b is not None]
+        expected = ("an integer" if integer else "a finite number") + (" " + " and ".join(bounds) if bounds else "")
+        raise error(f"{name} must be {expected}, got {value!r}")
+    return v
+
+
+#: The growth interval update_scale_ gets for ``growth_interval=0``, which torch's scaler accepts and
+#: then never grows (its tracker never equals 0): the int32 maximum, 2**31 - 1 clean steps away.
+NEVER_GROW = INT32_MAX
 
 #: Callbacks ``fn(state, found)`` run after each update of a ScaleState (mixprec.diagnostics'
 #: hook). Kept outside the state, so pickling and checkpoints never see them.
@@ -158,9 +192,16 @@ class ScaleState:
             return
         self.scale = torch.full((), self.init_scale, dtype=torch.float32, device=device)
         self.growth_tracker = torch.full((), self.init_growth_tracker, dtype=torch.int32, device=device)
-        self.hysteresis_tracker = torch.full((), self.init_hysteresis_tracker, dtype=torch.int32, device=device)
-        self.skipped = torch.full((), self.init_skipped, dtype=torch.int64, device=device)
-        if self.history_size:
+        self.init_extra(device)
+
+    def init_extra(self, device: torch.device) -> None:
+        """Creates whichever of mixprec's own device fields is missing, beside a scale and growth
+        tracker that code written for torch's scaler (a subclass's lazy init) may have set alone."""
+        if self.hysteresis_tracker is None:
+            self.hysteresis_tracker = torch.full((), self.init_hysteresis_tracker, dtype=torch.int32, device=device)
+        if self.skipped is None:
+            self.skipped = torch.full((), self.init_skipped, dtype=torch.int64, device=device)
+        if self.history_size and self.history is None:
             self.history = torch.zeros((self.history_size, 2), dtype=torch.float32, device=device)
 
     def inv_scale(self) -> torch.Tensor:
@@ -177,7 +218,7 @@ class ScaleState:
         self._record(found)
         _ops.update_scale_(
             scale, self.growth_tracker, found, float(self.growth_factor), float(self.backoff_factor),
-            int(self.growth_interval), hysteresis=int(self.hysteresis), hysteresis_tracker=self.hysteresis_tracker,
+            int(self.growth_interval) or NEVER_GROW, hysteresis=int(self.hysteresis), hysteresis_tracker=self.hysteresis_tracker,
             skipped_steps=self.skipped, min_scale=float(self.min_scale or 0.0),
             max_scale=float(self.max_scale or 0.0),
         )
@@ -263,19 +304,18 @@ def validate_extra_state(state: dict[str, Any], where: str) -> dict[str, Any]:
     """Checks mixprec's optional scaler keys; returns those present, converted."""
     out: dict[str, Any] = {}
     if "hysteresis" in state:
-        _check_number(f"{where}['hysteresis']", state["hysteresis"], integer=True, lo=1)
-        out["hysteresis"] = state["hysteresis"]
+        out["hysteresis"] = _check_number(f"{where}['hysteresis']", state["hysteresis"], integer=True, lo=1,
+                                          hi=INT32_MAX)
     if "_hysteresis_tracker" in state:
-        _check_number(f"{where}['_hysteresis_tracker']", state["_hysteresis_tracker"], integer=True, lo=0)
-        out["_hysteresis_tracker"] = state["_hysteresis_tracker"]
+        out["_hysteresis_tracker"] = _check_number(f"{where}['_hysteresis_tracker']", state["_hysteresis_tracker"],
+                                                   integer=True, lo=0, hi=INT32_MAX)
     for key in ("min_scale", "max_scale"):
         if key in state:
-            if state[key] is not None:
-                _check_number(f"{where}[{key!r}]", state[key], lo=0)
-            out[key] = state[key]
+            out[key] = None if state[key] is None else _check_number(f"{where}[{key!r}]", state[key], lo=0,
+                                                                     hi=F32_MAX)
     if out.get("min_scale") is not None and out.get("max_scale") is not None and out["max_scale"] < out["min_scale"]:
         raise ValueError(f"{where}: max_scale {out['max_scale']} < min_scale {out['min_scale']}")
     if "_skipped_steps" in state:
-        _check_number(f"{where}['_skipped_steps']", state["_skipped_steps"], integer=True, lo=0)
-        out["_skipped_steps"] = state["_skipped_steps"]
+        out["_skipped_steps"] = _check_number(f"{where}['_skipped_steps']", state["_skipped_steps"], integer=True,
+                                              lo=0, hi=2**63 - 1)
     return out

@@ -12,9 +12,11 @@ from weakref import WeakKeyDictionary
 
 import torch
 
+from . import _grad_scaler_checks as checks
 from . import distributed as _dist
 from ._dtensor import local_all
-from ._loss_scale import Replicator, ScaleState, _check_number, check_and_unscale_, combine_found, validate_extra_state
+from ._grad_scaler_state import ScalerStateFront
+from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found
 from ._step_guard import StepGuard
 
 __all__ = ["GradScaler", "OptState"]
@@ -49,7 +51,7 @@ def _takes_grad_scaler(step) -> bool:
     return takes
 
 
-class GradScaler:
+class GradScaler(ScalerStateFront):
     """Gradient scaling with ``torch.amp.GradScaler``'s constructor, methods and state_dict keys.
 
     Use it exactly as torch's::
@@ -61,7 +63,20 @@ class GradScaler:
         scaler.step(optimizer)
         scaler.update()
 
-    What differs (all additions):
+    Code written against torch's internals works too: its private names (``_scale``,
+    ``_growth_tracker``, ``_init_scale``, ``_per_optimizer_states`` ...) mean what they mean there,
+    and the public methods go through torch's hooks (``_lazy_init_scale_growth_tracker``,
+    ``_unscale_grads_``, ``_maybe_opt_step``, ``_check_inf_per_device``, ``_get_scale_async``), so a
+    subclass overriding one changes what it changes on torch's class.
+
+    Deliberate differences (tests/python/test_grad_scaler_conformance.py tables them): a scale
+    must stay a positive, finite float32, so ``init_scale``, ``update(new_scale)`` and checkpoints
+    that would make it 0, inf or NaN are refused (as are a ``backoff_factor`` outside (0, 1), a
+    ``growth_factor`` <= 1 or inf, negative intervals), with errors naming the call and argument
+    and nothing changed; ``update`` also takes an int; ``set_growth_interval`` below the current
+    tracker grows on the next clean step (torch's scaler never grows again).
+
+    What differs beyond that (all additions):
 
     - No host synchronization in ``step`` for any optimizer. Optimizers with
       ``_step_supports_amp_scaling`` (mixprec's fused optimizers, torch's ``fused=True``) get
@@ -82,8 +97,9 @@ class GradScaler:
     - ``skipped_steps`` (property; syncs when read) counts updates that saw an overflow.
     - ``history_size=n`` keeps the scale and the overflow flag of the last n updates on the device;
       :meth:`scale_history` materializes them (one sync).
-    - Gradients of any mix of float32/float16/bfloat16 are checked in one pass per device, and
-      float16 gradients may be unscaled (torch refuses them outside fused optimizers).
+    - Gradients of any mix of float32/float16/bfloat16 are checked in one pass per device. float16
+      gradients are refused by :meth:`unscale_` as torch refuses them (in place they lose their
+      small values); fused optimizers unscale them in float32 in their kernel.
     - Under torch.distributed, found_inf is agreed over ``process_group`` (None: the world;
       ``mixprec.distributed.LOCAL``: none) before any step, as ShardedGradScaler does, so ranks
       skip together (docs/distributed.md). FSDP2's DTensor gradients are handled shard by shard.
@@ -105,42 +121,12 @@ class GradScaler:
             self._enabled = False
         self._sync_skip = None if sync_skip is None else bool(sync_skip)
         if self._enabled:
-            if growth_factor <= 1.0:
-                raise AssertionError("The growth factor must be > 1.0.")
-            if backoff_factor >= 1.0:
-                raise AssertionError("The backoff factor must be < 1.0.")
-            _check_number("growth_interval", growth_interval, integer=True, lo=1)
-            self._state = ScaleState(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
-                                     min_scale, max_scale, history_size)
+            a = checks.check_constructor(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+                                         min_scale, max_scale, history_size)
+            self._state = ScaleState(a["init_scale"], a["growth_factor"], a["backoff_factor"], a["growth_interval"],
+                                     a["hysteresis"], a["min_scale"], a["max_scale"], a["history_size"])
             self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
             self._guards: WeakKeyDictionary = WeakKeyDictionary()
-
-    # torch's private attribute names, kept for code that reads them.
-    @property
-    def _scale(self) -> Optional[torch.Tensor]:
-        return self._state.scale if self._enabled else None
-
-    @property
-    def _growth_tracker(self) -> Optional[torch.Tensor]:
-        return self._state.growth_tracker if self._enabled else None
-
-    @property
-    def _growth_factor(self) -> float:
-        return self._state.growth_factor
-
-    @property
-    def _backoff_factor(self) -> float:
-        return self._state.backoff_factor
-
-    @property
-    def _growth_interval(self) -> int:
-        return self._state.growth_interval
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
-        if self._state.scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        return self._state.scale, self._state.growth_tracker
 
     # -- scale ----------------------------------------------------------------------------------
     def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]):
@@ -148,33 +134,40 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            self._state.lazy_init(outputs.device)
-            return outputs * self._state.scale.to(device=outputs.device, non_blocking=True)
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
         stash: list[Replicator] = []
 
         def apply_scale(val):
             if isinstance(val, torch.Tensor):
                 if not stash:
-                    self._state.lazy_init(val.device)
-                    stash.append(Replicator(self._state.scale))
+                    if self._scale is None:
+                        self._lazy_init_scale_growth_tracker(val.device)
+                    stash.append(Replicator(self._scale))
                 return val * stash[0].get(val.device)
-            if isinstance(val, abc.Iterable):
+            # A string is iterable and its items are strings: torch's scaler recurses until the stack ends.
+            if isinstance(val, abc.Iterable) and not isinstance(val, (str, bytes)):
                 iterable = map(apply_scale, val)
                 if isinstance(val, (list, tuple)):
                     return type(val)(iterable)
                 return iterable
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+            raise ValueError(f"GradScaler.scale: outputs must be a Tensor or an iterable of Tensors, "
+                             f"got {type(val).__name__}")
 
         return apply_scale(outputs)
 
     # -- unscale / check ------------------------------------------------------------------------
     @staticmethod
-    def _grads_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    def _grads_of(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[torch.Tensor]:
         grads = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, param in enumerate(group["params"]):
                 if param.grad is None:
                     continue
+                if not allow_fp16 and param.grad.dtype is torch.float16:
+                    # Before any grad is touched (the sparse coalesce below), so a refusal changes nothing.
+                    raise checks.fp16_unscale_error(optimizer, gi, pi)
                 if param.grad.is_sparse:
                     # Duplicate indices would be summed later; summed scaled fp16 values may
                     # overflow, so check the coalesced values (as torch does).
@@ -186,10 +179,12 @@ class GradScaler:
         return local_all(grads)  # FSDP2's DTensor gradients: this rank's shards
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: Optional[torch.Tensor],
-                        found_inf: torch.Tensor, allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:
+                        found_inf: torch.Tensor, allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """torch's hook: checks (and with ``inv_scale`` multiplies) the optimizer's grads; returns
+        found_inf per device. ``inv_scale=None`` checks only (torch passes a tensor of ones)."""
+        grads = self._grads_of(optimizer, allow_fp16)
         found = Replicator(found_inf)
         per_device: dict[torch.device, torch.Tensor] = {}
-        grads = self._grads_of(optimizer)
         for g in grads:
             if g.device not in per_device:
                 per_device[g.device] = found.get(g.device)
@@ -199,28 +194,49 @@ class GradScaler:
         _dist.agree_found_inf_(per_device, self._process_group, found_inf.device)
         return per_device
 
+    def _opt_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # Looked up without inserting: a refused call must leave _per_optimizer_states as it was.
+        return self._per_optimizer_states.get(id(optimizer)) or _refresh_per_optimizer_state()
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divides the optimizer's gradients by the scale, in place, and records whether any was
-        inf/NaN (on the device). Optional: :meth:`step` does it otherwise. Never syncs."""
+        inf/NaN (on the device). Optional: :meth:`step` does it otherwise. Never syncs.
+
+        float16 gradients are refused with torch's ``ValueError("Attempting to unscale FP16
+        gradients.")``, and nothing changes: dividing them by the scale in place flushes the small
+        ones to zero (about 2% of a typical model's values at 2**16). A mixprec fused optimizer
+        needs no unscale_: ``step`` hands it the scale and its kernel unscales in float32 (into
+        the fp32 masters with ``master_weights=True``). To clip float16 gradients, clip the
+        still-scaled ones against ``max_norm`` times the scale, which loses nothing::
+
+            grads = [p.grad for p in params if p.grad is not None]
+            norm, _ = mixprec.multi_tensor_norm(grads)        # float32 accumulation, no overflow
+            coef = (max_norm * scaler._get_scale_async() / (norm + 1e-6)).clamp_(max=1.0)
+            mixprec.scale_(grads, coef)                       # on the device, no sync
+            scaler.step(optimizer)
+        """
         if not self._enabled:
             return
         self._check_scale_growth_tracker("unscale_")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        checks.check_optimizer("GradScaler.unscale_", optimizer)
+        optimizer_state = self._opt_state(optimizer)
         if optimizer_state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._state.scale.device)
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, self._state.inv_scale(), found_inf)
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        inv_scale = self._scale.double().reciprocal().float()  # as torch: the reciprocal in float64
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
         optimizer_state["stage"] = OptState.UNSCALED
+        self._per_optimizer_states[id(optimizer)] = optimizer_state
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """The read-only check (no unscale) for optimizers that unscale in their kernel."""
-        self._check_scale_growth_tracker("_check_inf_per_device")
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._state.scale.device)
-        state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, None, found_inf)
-        return state["found_inf_per_device"]
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        per_device = self._unscale_grads_(optimizer, None, found_inf, True)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
+        return per_device
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
@@ -229,44 +245,54 @@ class GradScaler:
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Optional[float]:
         """Unscales (unless :meth:`unscale_` was called) and steps ``optimizer``; a step whose
         gradients hold inf/NaN changes nothing. Returns ``optimizer.step``'s result (which, unlike
-        torch's scaler, also runs for a skipped step on the device path; see ``sync_skip``)."""
+        torch's scaler, also runs for a skipped step on the device path; see ``sync_skip``).
+        As torch's: an optimizer that unscales in its kernel (``_step_supports_amp_scaling``) and
+        has no gradient this iteration is stepped as a no-op, while any other optimizer without
+        gradients raises "No inf checks were recorded"; and update() needs some optimizer's check."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is OptState.STEPPED:
+        checks.check_optimizer("GradScaler.step", optimizer)
+        if self._opt_state(optimizer)["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._fused_step(optimizer, optimizer_state, args, kwargs)
+            return self._fused_step(optimizer, args, kwargs)
 
-        if optimizer_state["stage"] is OptState.READY:
+        if self._opt_state(optimizer)["stage"] is OptState.READY:
             self.unscale_(optimizer)
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
         if len(optimizer_state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        optimizer_state["stage"] = OptState.STEPPED
+        return retval
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any],
+                        *args: Any, **kwargs: Any) -> Optional[float]:
+        """torch's hook: steps ``optimizer`` unless this iteration's found_inf is set. Here on the
+        device (no sync) unless ``sync_skip`` or host memory make reading found_inf free."""
         per_device = optimizer_state["found_inf_per_device"]
-        found = combine_found(per_device.values(), self._state.scale.device)
+        found = combine_found(per_device.values(), self._scale.device)
         sync_skip = self._sync_skip
         if sync_skip is None:  # host memory: reading found_inf is free, snapshotting is not
             sync_skip = found.device.type == "cpu" and all(d.type == "cpu" for d in per_device)
         if sync_skip:
-            retval = optimizer.step(*args, **kwargs) if not found.item() else None
-        else:
-            guard = self._guards.get(optimizer)
-            if guard is None:
-                guard = self._guards[optimizer] = StepGuard()
-            StepGuard.make_capturable(optimizer)
-            retval = guard.step(optimizer, found, optimizer.step, *args, **kwargs)
-        optimizer_state["stage"] = OptState.STEPPED
-        return retval
+            return optimizer.step(*args, **kwargs) if not found.item() else None
+        guard = self._guards.get(optimizer)
+        if guard is None:
+            guard = self._guards[optimizer] = StepGuard()
+        StepGuard.make_capturable(optimizer)
+        return guard.step(optimizer, found, optimizer.step, *args, **kwargs)
 
-    def _fused_step(self, optimizer, optimizer_state, args, kwargs):
+    def _fused_step(self, optimizer, args, kwargs):
         # The optimizer unscales and skips in its own kernel: hand it the scale and found_inf as
         # attributes (torch's contract), or itself through the deprecated grad_scaler keyword.
         kwargs_ = kwargs
         has_grad_scaler_kwarg = _takes_grad_scaler(optimizer.step)
+        optimizer_state = self._opt_state(optimizer)
         if has_grad_scaler_kwarg:
             _dist.rank0_warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -276,45 +302,61 @@ class GradScaler:
             )
             kwargs_.update({"grad_scaler": self})
         else:
+            existed = id(optimizer) in self._per_optimizer_states
+            self._per_optimizer_states[id(optimizer)] = optimizer_state
             if optimizer_state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
-            scale = self._state.scale
-            found = combine_found(optimizer_state["found_inf_per_device"].values(), scale.device)
+            scale = self._get_scale_async()
+            per_device = optimizer_state["found_inf_per_device"]
+            if per_device:
+                found = combine_found(per_device.values(), scale.device)
+                if any(found is f for f in per_device.values()):
+                    found = found.clone()  # the optimizer's own, as torch's sum is: update() reads ours
+            else:  # no gradient at all (an idle or frozen sub-model): torch steps with found_inf 0
+                found = torch.zeros((), dtype=torch.float32, device=scale.device)
             if optimizer_state["stage"] is OptState.UNSCALED:
                 optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
             else:
+                # A new tensor, as torch's product is: an in-place op of the optimizer on it must
+                # not change the scale (a device-side copy, no sync).
                 preset = getattr(optimizer, "grad_scale", None)
-                optimizer.grad_scale = scale if preset is None else scale * preset
+                optimizer.grad_scale = scale.clone() if preset is None else scale * preset
             optimizer.found_inf = found
-        retval = optimizer.step(*args, **kwargs_)
+        try:
+            retval = optimizer.step(*args, **kwargs_)
+        except BaseException:
+            if not has_grad_scaler_kwarg and not existed:  # the optimizer refused: no record of this try
+                self._per_optimizer_states.pop(id(optimizer), None)
+            raise
+        finally:
+            if not has_grad_scaler_kwarg:  # never left behind for a later plain step()
+                del optimizer.grad_scale
+                del optimizer.found_inf
+        self._per_optimizer_states[id(optimizer)] = optimizer_state
         optimizer_state["stage"] = OptState.STEPPED
-        if not has_grad_scaler_kwarg:
-            del optimizer.grad_scale
-            del optimizer.found_inf
         return retval
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
         """Updates the scale on the device from every optimizer's found_inf of this iteration
         (backoff on overflow, after ``hysteresis`` of them; growth after ``growth_interval``
-        clean steps; within ``min_scale``/``max_scale``), or sets ``new_scale``. Never syncs."""
+        clean steps; within ``min_scale``/``max_scale``), or sets ``new_scale``. Never syncs,
+        except to check a ``new_scale`` tensor's value on a GPU.
+
+        ``new_scale``: a float (or, beyond torch, an int or numpy number), or as torch requires a
+        0-dim tensor on this scaler's device type with ``requires_grad=False``; it must be a
+        positive normal float32 within ``min_scale``/``max_scale``: a 0, inf or NaN scale would
+        corrupt every later step, so it is refused and nothing changes."""
         if not self._enabled:
             return
         scale, _ = self._check_scale_growth_tracker("update")
         found_infs = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
         if new_scale is not None:
-            if isinstance(new_scale, float):
-                scale.fill_(new_scale)
+            value = checks.check_new_scale(new_scale, self._device, self._state)
+            if isinstance(value, torch.Tensor):
+                scale.copy_(value)
             else:
-                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                          "torch.FloatTensor with requires_grad=False.")
-                if new_scale.device.type != self._device:
-                    raise AssertionError(reason)
-                if new_scale.numel() != 1:
-                    raise AssertionError(reason)
-                if new_scale.requires_grad is True:
-                    raise AssertionError(reason)
-                scale.copy_(new_scale.reshape(()))
+                scale.fill_(value)
             if found_infs:
                 self._state.count_skip(combine_found(found_infs, scale.device))
         else:
@@ -322,96 +364,6 @@ class GradScaler:
                 raise AssertionError("No inf checks were recorded prior to update.")
             self._state.update(combine_found(found_infs, scale.device))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-
-    # -- getters and setters ----------------------------------------------------------------------
-    def _get_scale_async(self) -> Optional[torch.Tensor]:
-        return self._state.scale if self._enabled else None
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled). Syncs."""
-        return self._state.get_scale() if self._enabled else 1.0
-
-    def get_growth_factor(self) -> float:
-        return self._state.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._state.growth_factor = new_factor
-
-    def get_backoff_factor(self) -> float:
-        return self._state.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._state.backoff_factor = new_factor
-
-    def get_growth_interval(self) -> int:
-        return self._state.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._state.growth_interval = new_interval
-
-    def _get_growth_tracker(self) -> int:
-        return self._state.get_growth_tracker() if self._enabled else 0
-
-    def is_enabled(self) -> bool:
-        return self._enabled
-
-    @property
-    def skipped_steps(self) -> int:
-        """How many updates saw inf/NaN gradients (0 when disabled). Syncs when read."""
-        return self._state.get_skipped() if self._enabled else 0
-
-    def scale_history(self, with_overflow: bool = False) -> list:
-        """The scale used by each of the last ``history_size`` updates, oldest first; with
-        ``with_overflow`` as ``(scale, overflowed)`` pairs. Empty unless ``history_size`` > 0."""
-        return self._state.scale_history(with_overflow) if self._enabled else []
-
-    # -- checkpoints ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """torch's five keys (``scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``,
-        ``_growth_tracker``) plus mixprec's; empty when disabled. Syncs (reads the scale)."""
-        if not self._enabled:
-            return {}
-        out = {
-            "scale": self.get_scale(),
-            "growth_factor": self._state.growth_factor,
-            "backoff_factor": self._state.backoff_factor,
-            "growth_interval": self._state.growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-        }
-        out.update(self._state.extra_state())
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state_dict of this class or of torch.amp.GradScaler, validating it all first."""
-        if not self._enabled:
-            return
-        if len(state_dict) == 0:
-            raise RuntimeError("The source state dict is empty, possibly because it was saved "
-                               "from a disabled instance of GradScaler.")
-        where = "GradScaler.load_state_dict: state_dict"
-        for key in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"):
-            if key not in state_dict:
-                raise KeyError(f"{where} has no {key!r}")
-        _check_number(f"{where}['scale']", state_dict["scale"], lo=0, lo_open=True)
-        _check_number(f"{where}['growth_factor']", state_dict["growth_factor"], lo=1.0, lo_open=True)
-        _check_number(f"{where}['backoff_factor']", state_dict["backoff_factor"], lo=0, lo_open=True,
-                      hi=1.0, hi_open=True)
-        _check_number(f"{where}['growth_interval']", state_dict["growth_interval"], integer=True, lo=1)
-        _check_number(f"{where}['_growth_tracker']", state_dict["_growth_tracker"], integer=True, lo=0)
-        extra = validate_extra_state(state_dict, where)
-        min_scale = extra.get("min_scale", self._state.min_scale)
-        max_scale = extra.get("max_scale", self._state.max_scale)
-        if min_scale is not None and max_scale is not None and max_scale < min_scale:
-            raise ValueError(f"{where}: max_scale {max_scale} < min_scale {min_scale}")
-
-        s = self._state
-        s.growth_factor = float(state_dict["growth_factor"])
-        s.backoff_factor = float(state_dict["backoff_factor"])
-        s.growth_interval = int(state_dict["growth_interval"])
-        s.hysteresis = extra.get("hysteresis", s.hysteresis)
-        s.min_scale, s.max_scale = min_scale, max_scale
-        s.set_values(state_dict["scale"], state_dict["_growth_tracker"],
-                     extra.get("_hysteresis_tracker", s.hysteresis), extra.get("_skipped_steps"))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

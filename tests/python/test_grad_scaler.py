@@ -406,7 +406,7 @@ def test_state_dict_before_first_step_and_pickle():
 
 @pytest.mark.parametrize("bad", [
     {"scale": -1.0}, {"scale": math.nan}, {"growth_factor": 0.5}, {"backoff_factor": 1.5},
-    {"growth_interval": 0}, {"growth_interval": 2.5}, {"_growth_tracker": -1}, {"hysteresis": 0},
+    {"growth_interval": -1}, {"growth_interval": 2.5}, {"_growth_tracker": -1}, {"hysteresis": 0},
     {"_hysteresis_tracker": -2}, {"min_scale": -1.0}, {"min_scale": 8.0, "max_scale": 4.0},
     {"_skipped_steps": "3"}, "missing_scale",
 ])
@@ -496,12 +496,13 @@ def test_cuda_scaler_without_cuda_disables_itself_with_a_warning():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fp16_and_channels_last_and_sparse_grads(device, gen):
+def test_mixed_dtypes_and_channels_last_and_sparse_grads(device, gen):
     # Mixed dtypes in one optimizer (one pass), channels_last conv grads (permuted but dense),
-    # and a sparse embedding gradient: all unscaled as torch would (torch refuses fp16 grads).
+    # and a sparse embedding gradient: all unscaled as torch would (fp16 grads are refused as
+    # torch refuses them: test_misuse_grad_scaler.py).
     conv = torch.nn.Conv2d(3, 4, 3).to(device).to(memory_format=torch.channels_last)
     emb = torch.nn.Embedding(10, 4, sparse=True).to(device)
-    half = torch.nn.Parameter(random_tensor((5,), torch.float16, device, gen))
+    half = torch.nn.Parameter(random_tensor((5,), torch.bfloat16, device, gen))
     opt = torch.optim.SGD(list(conv.parameters()) + list(emb.parameters()) + [half], lr=0.1)
     scaler = GradScaler(torch.device(device).type, init_scale=256.0)
     x = random_tensor((2, 3, 6, 6), torch.float32, device, gen).to(memory_format=torch.channels_last)
