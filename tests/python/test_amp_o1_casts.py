@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from amp_o1_support import check_call, dtype_mixes, low, make_handle  # noqa: F401 (fixtures)
 from conftest import assert_bitwise_equal, random_tensor
+from mixprec import amp
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # chain_matmul's deprecation
 
@@ -203,8 +204,9 @@ def test_inplace_matches_self(low, device, gen, make_handle):
         x = x_leaf.clone()
         out = x.add_(y)
         assert out is x and out.dtype == xt
-        ref = x_leaf.detach().double() + y.detach().double()
-        assert torch.allclose(out.detach().double(), ref, rtol=torch.finfo(xt).eps * 2, atol=0)
+        with amp.disable_casts():  # Apex's rule: the other operand is cast to self's dtype first
+            expected = x_leaf.detach() + y.detach().to(xt)
+        assert_bitwise_equal(out.detach(), expected, f"{xt} += {yt}")
         out.float().sum().backward()
         assert x_leaf.grad.dtype == xt and y.grad.dtype == yt
         z = _input((6,), "any", gen, device).to(xt)
