@@ -12,8 +12,8 @@ from torch.nn.modules.rnn import RNNBase
 #   float     floating args -> float32
 #   promote   floating args -> the widest floating dtype among them (cat/stack: inside the sequence)
 #   match     in-place Tensor methods: the other args -> self's dtype
-#   inplace   in-place Tensor methods of the float list: error on a low-precision self
-#   inplace_any  in-place torch functions of the float list: error on any low-precision arg
+#   inplace   in-place versions of the float list (x.exp_(), torch.exp_(x)): error on a
+#             low-precision self, the other args -> float32
 #   banned    error on any low-precision arg (float with allow_banned=True)
 #   to_cpu    Tensor.cpu: low -> float32 before leaving the device
 #   rnn_check RNNBase.check_input: accepts an input whose dtype differs from the fp32 weights
@@ -104,7 +104,7 @@ def patch_table(allow_banned: bool) -> list[tuple[object, str, str]]:
     add(torch, TORCH_HALF, "half")
     add(torch, TORCH_FLOAT, "float")
     add(torch, TORCH_PROMOTE, "promote")
-    add(torch, [n + "_" for n in TORCH_FLOAT], "inplace_any")
+    add(torch, [n + "_" for n in TORCH_FLOAT], "inplace")
     add(F, FUNCTIONAL_HALF, "half")
     add(F, FUNCTIONAL_FLOAT, "float")
     add(F, FUNCTIONAL_PROMOTE, "promote")

@@ -200,32 +200,19 @@ def _match(orig, name):
     return wrapper
 
 
-def _inplace_error(name: str, dtype: torch.dtype, where: str) -> NotImplementedError:
-    base = name[:-1] if name.endswith("_") else name.replace("__i", "__")
-    return NotImplementedError(
-        f"amp (O1): in-place {where}{name} on a {dtype} tensor: {base} runs in float32 under amp's O1 "
-        f"rules, and an in-place result cannot leave the tensor's dtype; use the out-of-place {base} "
-        f"(or cast the tensor to float32 first)")
-
-
 def _inplace(orig, name):
+    # Tensor.exp_ and torch.exp_ alike: self is the first argument. The op runs in fp32, which a
+    # low-precision self cannot hold in place (Apex's rule: an error, before anything changes).
     def wrapper(self, *args, **kwargs):
         if STATE.on:
             if self.dtype in _LOW:
-                raise _inplace_error(name, self.dtype, "Tensor.")
+                base = name[:-1] if name.endswith("_") else name.replace("__i", "__")
+                raise NotImplementedError(
+                    f"amp (O1): in-place {name} on a {self.dtype} tensor: {base} runs in float32 under amp's "
+                    f"O1 rules, and an in-place result cannot leave the tensor's dtype; use the out-of-place "
+                    f"{base} (or cast the tensor to float32 first)")
             return cast_call(orig, (self, *args), kwargs, to_float, name)
         return orig(self, *args, **kwargs)
-    return wrapper
-
-
-def _inplace_any(orig, name):
-    def wrapper(*args, **kwargs):
-        if STATE.on:
-            low = _any_low(args, kwargs)
-            if low is not None:
-                raise _inplace_error(name, low, "torch.")
-            return cast_call(orig, args, kwargs, to_float, name)
-        return orig(*args, **kwargs)
     return wrapper
 
 
@@ -262,7 +249,7 @@ def _rnn_check(orig, name):
 
 _FACTORIES = {
     "half": _cast_rule(to_low), "float": _cast_rule(to_float), "promote": _promote, "match": _match,
-    "inplace": _inplace, "inplace_any": _inplace_any, "banned": _banned, "to_cpu": _to_cpu,
+    "inplace": _inplace, "banned": _banned, "to_cpu": _to_cpu,
     "rnn_check": _rnn_check,
 }
 
