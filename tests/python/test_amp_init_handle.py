@@ -318,6 +318,10 @@ def test_wrap_optimizer_refuses_bad_arguments(gen, make_handle):
     with pytest.raises(TypeError, match="wrap_optimizer: optimizer must be a torch.optim.Optimizer"):
         handle.wrap_optimizer(object())
     assert handle._default_scaler is not None  # refused: the handle's own scale_loss still works
+    with pytest.raises(TypeError, match="AmpHandle.scale_loss: optimizer must be a torch.optim.Optimizer, got list"):
+        with handle.scale_loss(torch.ones((), requires_grad=True), [raw]):
+            pass
+    assert handle._default_scaler.state.scale is None and not _o1_scale.is_armed(raw)
 
 
 def test_handle_delegates_initialize_optimizers_to_amp_scale_loss(gen, make_handle):

@@ -177,7 +177,7 @@ class OptimWrapper:
             handle._clear_cache()
 
     def step(self, closure=None):
-        if not self._amp_handle.is_active():
+        if self._found is None and not self._amp_handle.is_active():  # nothing was scaled: a plain step
             return self._optimizer.step(closure=closure) if closure is not None else self._optimizer.step()
         if closure is not None:
             raise NotImplementedError("The `closure` argument is unsupported by the amp optimizer wrapper.")
