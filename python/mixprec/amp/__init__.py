@@ -21,15 +21,22 @@ from ._casts import (
 from ._checkpoint import checkpoint_state, load_checkpoint_state, load_state_dict, state_dict
 from ._handle import loss_scale, scale_history, scale_loss, skipped_steps
 from ._initialize import initialize
+from ._o1_handle import AmpHandle, InitializeHandle, NoOpHandle, init
+from ._o1_scale import OptimWrapper
 from ._optimizer import master_params
 from ._properties import opt_levels
 from ._scaler import _amp_state
 
 __all__ = [
+    "AmpHandle",
+    "InitializeHandle",
+    "NoOpHandle",
+    "OptimWrapper",
     "checkpoint_state",
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "load_checkpoint_state",
     "load_state_dict",

@@ -1,6 +1,7 @@
-"""Casting under amp, all through torch.autocast: the model-forward wrapper (O1 autocast, O2/O3
-input and output casts), disable_casts(), Apex's half/float/promote_function decorators and
-register_*_function calls. No torch function is patched unless the user registers it."""
+"""Casting under amp: the model-forward wrapper (O1 autocast, O2/O3 input and output casts),
+disable_casts(), Apex's half/float/promote_function decorators and register_*_function calls,
+which act where autocast is on or an amp.init handle is active. No torch function is patched
+unless the user registers it (or amp.init's handle is active: _o1_patch)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from types import MethodType
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+
+from ._o1_patch import STATE as _O1, call_with_rule, casts_off
 
 _registry: list[tuple[Any, str, str]] = []  # (module, name, kind) from register_*_function
 _WRAPPED = "__mixprec_amp_cast__"
@@ -128,11 +131,13 @@ def _device_types() -> list[str]:
 
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
-    """Runs the enclosed code without amp's casts (autocast off on every device), e.g. a custom
-    op inside an O1 model's forward that must see its inputs' own dtypes."""
+    """Runs the enclosed code without amp's casts (autocast off on every device, and an
+    amp.init handle's casts off), e.g. a custom op inside an O1 model's forward that must see its
+    inputs' own dtypes."""
     with contextlib.ExitStack() as stack:
         for device_type in _device_types():
             stack.enter_context(torch.autocast(device_type, enabled=False))
+        stack.enter_context(casts_off())
         yield
 
 
@@ -164,10 +169,14 @@ def _cast_wrapper(fn: Callable, kind: str) -> Callable:
     if getattr(fn, _WRAPPED, None) is not None:
         return fn
 
+    name = getattr(fn, "__name__", "function")
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         device_type = _first_tensor_device(args, kwargs)
         if device_type is None or not torch.is_autocast_enabled(device_type):
+            if _O1.on:  # an amp.init handle is active: its rules (and weight cache), no autocast
+                return call_with_rule(kind, fn, name, args, kwargs)
             return fn(*args, **kwargs)  # amp's casts are off here: the function runs as written
         if kind == "half":
             dtype = torch.get_autocast_dtype(device_type)
@@ -189,7 +198,8 @@ def _cast_wrapper(fn: Callable, kind: str) -> Callable:
 def half_function(fn: Callable) -> Callable:
     """Decorator: where amp's casts are active (autocast on, e.g. in an O1 forward), ``fn`` runs
     with autocast off on its floating inputs cast to amp's low-precision dtype (float16, or
-    bfloat16 when chosen). Elsewhere it runs unchanged."""
+    bfloat16 when chosen). Under an active amp.init handle (and autocast off) its floating inputs
+    are cast to the handle's dtype, weights through its cache. Elsewhere it runs unchanged."""
     return _cast_wrapper(fn, "half")
 
 
@@ -213,7 +223,9 @@ def _register(module: Any, name: str, kind: str) -> None:
 
 def apply_registry() -> None:
     """Replaces each registered ``module.name`` by its cast wrapper (once). The wrappers act only
-    where autocast is on, so they may be installed at registration time."""
+    where autocast is on or an amp.init handle is active, so they may be installed at
+    registration time. (Register before amp.init: the handle's _deactivate puts back what it
+    found, which drops a registration made on a name it patched.)"""
     for module, name, kind in _registry:
         fn = getattr(module, name)
         if getattr(fn, _WRAPPED, None) is None:
