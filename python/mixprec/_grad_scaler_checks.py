@@ -8,10 +8,8 @@ from typing import Any, Optional
 
 import torch
 
-from ._loss_scale import F32_MAX, INT32_MAX, ScaleState, _check_number, validate_extra_state
+from ._loss_scale import F32_MAX, INT32_MAX, ScaleState, _check_number, check_scale, validate_extra_state
 
-#: The smallest normal float32: a smaller scale rounds toward 0 in the float32 scale tensor.
-F32_TINY = torch.finfo(torch.float32).tiny
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
@@ -19,11 +17,6 @@ class GradScalerAssertionError(ValueError, AssertionError):
     """A bad argument where torch.amp.GradScaler raises AssertionError (growth and backoff factors,
     update's new_scale): a ValueError like mixprec's other argument errors, and still caught by code
     written against torch's scaler."""
-
-
-def check_scale(name: str, value: Any, error: type = ValueError) -> float:
-    # A scale must survive the float32 scale tensor: positive, normal, finite.
-    return _check_number(name, value, lo=F32_TINY, hi=F32_MAX, error=error)
 
 
 def check_growth_factor(name: str, value: Any, error: type = GradScalerAssertionError) -> float:

@@ -141,6 +141,16 @@ def _check_number(name: str, value: Any, *, integer: bool = False, lo: float | N
     return v
 
 
+#: The smallest normal float32: a smaller scale rounds toward 0 in the float32 scale tensor.
+F32_TINY = torch.finfo(torch.float32).tiny
+
+
+def check_scale(name: str, value: Any, error: type = ValueError) -> float:
+    """A loss scale as a float, checked to survive the float32 scale tensor: positive, normal and
+    finite (a scale that rounds to 0 or inf would turn every unscaled gradient into inf/NaN)."""
+    return _check_number(name, value, lo=F32_TINY, hi=F32_MAX, error=error)
+
+
 #: The growth interval update_scale_ gets for ``growth_interval=0``, which torch's scaler accepts and
 #: then never grows (its tracker never equals 0): the int32 maximum, 2**31 - 1 clean steps away.
 NEVER_GROW = INT32_MAX

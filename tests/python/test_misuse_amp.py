@@ -134,9 +134,9 @@ def test_loss_scaler_scale_is_settable_and_checked(gen):
     scaler._loss_scale = 128.0
     assert scale_in_force(model, opt, gen) == 128.0
     assert _amp_state.opt_properties.opt_level == "O2" and _amp_state.opt_properties.master_weights
-    for bad in (math.nan, math.inf, 0.0, -2.0, "x", True, torch.tensor([1.0, 2.0])):
+    for bad in (math.nan, math.inf, 0.0, -2.0, 1e-300, 1e39, "x", True, torch.tensor([1.0, 2.0])):
         before = amp_world([model], [opt])
-        with pytest.raises(ValueError, match="_loss_scale must be a positive finite number"):
+        with pytest.raises(ValueError, match="_loss_scale must be a finite number >= "):
             scaler._loss_scale = bad
         assert_same_world(before, amp_world([model], [opt]))
 
@@ -387,7 +387,23 @@ def test_random_scaler_state_either_loads_or_changes_nothing(key, value):
         assert_same_world(before, amp_world([model], [opt]))
         return
     # Loaded: the values are what was given, and training still works.
-    if key == "loss_scale":
-        assert amp.loss_scale() == float(value)
+    if key == "loss_scale":  # held in a float32 tensor
+        assert amp.loss_scale() == torch.tensor(float(value), dtype=torch.float32).item()
     train_step(model, opt, gen)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_amp_state_handle_is_set_as_apex_code_expects(gen):
+    from mixprec.amp._o1_handle import InitializeHandle, NoOpHandle
+    model = make_model(gen, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    handle = _amp_state.handle
+    assert isinstance(handle, InitializeHandle) and handle.is_active()
+    loss = model(random_tensor((16, 8), torch.float32, "cpu", gen)).float().pow(2).mean()
+    with handle.scale_loss(loss, opt) as scaled:  # Apex code reaches scale_loss through the handle
+        assert (scaled / loss).item() == amp.loss_scale()
+        scaled.backward()
+    opt.step()
+    amp.initialize(make_model(gen, "cpu"), enabled=False)
+    assert isinstance(_amp_state.handle, NoOpHandle) and not _amp_state.handle.is_active()

@@ -9,13 +9,12 @@ from typing import Any
 
 import torch
 
-from .._loss_scale import _check_number, validate_extra_state
+from .._loss_scale import INT32_MAX, _check_number, check_scale, validate_extra_state
 from . import _optimizer
 from ._optimizer import SWAP
 from ._scaler import _amp_state
 
 FORMAT = "mixprec.amp.checkpoint"
-_INT32_MAX = 2**31 - 1
 VERSION = 1
 
 
@@ -53,9 +52,9 @@ def _validated_scalers(state: Any, where: str) -> list[tuple[int, dict, dict]]:
         entry = state.get(key)
         if not isinstance(entry, dict) or "loss_scale" not in entry or "unskipped" not in entry:
             raise ValueError(f"{where}[{key!r}] must be a dict with 'loss_scale' and 'unskipped'")
-        _check_number(f"{where}[{key!r}]['loss_scale']", entry["loss_scale"], lo=0, lo_open=True)
+        check_scale(f"{where}[{key!r}]['loss_scale']", entry["loss_scale"])
         # The growth tracker is an int32 on the device: a larger count could not be stored.
-        _check_number(f"{where}[{key!r}]['unskipped']", entry["unskipped"], integer=True, lo=0, hi=_INT32_MAX)
+        _check_number(f"{where}[{key!r}]['unskipped']", entry["unskipped"], integer=True, lo=0, hi=INT32_MAX)
         out.append((idx, entry, validate_extra_state(entry, f"{where}[{key!r}]")))
     return out
 

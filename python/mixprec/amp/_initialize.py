@@ -14,6 +14,8 @@ import torch
 from ..distributed import has_dtensor_params
 from ._casts import apply_registry, patch_forward
 from ._layers import use_layer_kernels
+from ._o1_handle import InitializeHandle, NoOpHandle
+from ._o1_patch import STATE as cast_state
 from ._optimizer import refresh_masters_from_model
 from ._process import process_optimizer
 from ._properties import LOW_DTYPES, Properties, logger, opt_levels, warn_or_err
@@ -95,6 +97,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if not enabled:
         # Apex: a disabled amp is an initialized amp whose scale_loss and steps do nothing extra.
         _amp_state.reset(Properties(), int(verbosity), process_group)
+        _amp_state.handle = _handle_for_initialize(NoOpHandle)
         return models if optimizers is None else (models, optimizers)
     if opt_level not in opt_levels:
         raise RuntimeError(f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3'.  Note "
@@ -149,12 +152,18 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _amp_state.loss_scalers = scalers
     _amp_state.dtype = low
     _amp_state.opt_properties = props
+    _amp_state.handle = _handle_for_initialize(InitializeHandle)
 
     if optimizers_was_list:
         return (model_list if models_was_list else model_list[0]), optimizer_list
     if len(optimizer_list) == 0:
         return model_list if models_was_list else model_list[0]
     return (model_list if models_was_list else model_list[0]), optimizer_list[0]
+
+
+def _handle_for_initialize(kind: type):
+    # An amp.init() handle that still patches torch stays the one Apex-era code finds.
+    return cast_state.handle if cast_state.handle is not None else kind()
 
 
 def _is_bn(module: torch.nn.Module) -> bool:

@@ -214,7 +214,9 @@ def init(enabled: bool = True, loss_scale: Any = "dynamic", enable_caching: bool
         raise RuntimeError("amp.init: an AmpHandle from an earlier amp.init() is still active; only one handle "
                            "may patch torch at a time: call handle._deactivate() on it first")
     if not enabled:
-        return NoOpHandle()
+        _amp_state.handle = NoOpHandle()
+        return _amp_state.handle
     handle = AmpHandle(loss_scale, enable_caching, verbose, dtype or patch_type or torch.float16)
     handle._activate(bool(allow_banned))
+    _amp_state.handle = handle  # where Apex-era code finds it
     return handle

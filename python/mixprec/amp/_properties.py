@@ -7,6 +7,8 @@ import logging
 
 import torch
 
+from .._loss_scale import check_scale
+
 logger = logging.getLogger("mixprec.amp")
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -79,13 +81,12 @@ class Properties:
             if value == "dynamic":
                 self.options[name] = value
             else:
-                try:
-                    scale = float(value)
-                except (TypeError, ValueError):
-                    raise ValueError(f"loss_scale must be 'dynamic' or a number, got {value!r}") from None
-                if not scale > 0 or scale == float("inf"):
-                    raise ValueError(f"loss_scale must be a positive finite number, got {value!r}")
-                self.options[name] = scale
+                if isinstance(value, str):  # Apex accepted numbers written as strings ("128.0")
+                    try:
+                        value = float(value)
+                    except ValueError:
+                        raise ValueError(f"loss_scale must be 'dynamic' or a number, got {value!r}") from None
+                self.options[name] = check_scale("loss_scale", value)
         else:
             self.options[name] = value
 

@@ -4,13 +4,12 @@ with the rate-limited, rank-0, sync-free "skipping step" log."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Optional
 
 import torch
 
-from .._loss_scale import ScaleState
+from .._loss_scale import ScaleState, check_scale
 from ..distributed import is_rank0
 
 logger = logging.getLogger("mixprec.amp")
@@ -107,13 +106,9 @@ class LossScaler:
     def _loss_scale(self, value: float) -> None:
         # Apex-era code sets the scale directly (e.g. to restart after a divergence); it takes
         # effect on the next scaled loss. A fill on the device: no sync.
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"amp loss scaler {self.loss_id}: _loss_scale must be a positive finite number, "
-                             f"got {value!r}")
+        value = check_scale(f"amp loss scaler {self.loss_id}: _loss_scale", value)
         state = self.state
-        state.init_scale = float(value)
+        state.init_scale = value
         if state.scale is not None:
             state.scale.fill_(state.init_scale)
 
