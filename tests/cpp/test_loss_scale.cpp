@@ -30,7 +30,7 @@ float random_inv_scale(std::mt19937_64& rng) {
   return 1.f / std::uniform_real_distribution<float>(700.f, 1300.f)(rng);
 }
 
-// out == in_before * inv within DESIGN.md's bounds (float64 reference) where the input was
+// out == in_before * inv within docs/architecture.md's bounds (float64 reference) where the input was
 // finite; where it was inf/NaN the output holds the same non-finite product.
 void expect_unscaled(const at::Tensor& out, const at::Tensor& in_before, float inv, const std::string& what) {
   const at::Tensor in = in_before.cpu(), o = out.cpu();

@@ -158,7 +158,7 @@ inline double rel_err(const std::vector<at::Tensor>& out, const std::vector<at::
   return rel_err(flat64(out), flat64(ref));
 }
 
-// The bound DESIGN.md sets for a result stored in `dtype`: 1e-5 relative in fp32; in fp16/bf16,
+// The bound docs/architecture.md sets for a result stored in `dtype`: 1e-5 relative in fp32; in fp16/bf16,
 // twice the error plain PyTorch makes (`peer`, computed the ordinary way in that precision).
 inline double error_bound(at::ScalarType dtype, const at::Tensor& peer, const at::Tensor& ref64) {
   if (dtype == at::kFloat) return 1e-5;
@@ -171,7 +171,7 @@ inline void inject(const at::Tensor& t, const std::vector<int64_t>& pos, double 
   for (int64_t i : pos) flat[i].fill_(value);
 }
 
-// The positions DESIGN.md asks for: first, last and one random element.
+// The positions docs/architecture.md asks for: first, last and one random element.
 inline std::vector<int64_t> first_last_random(int64_t numel, std::mt19937_64& rng) {
   std::uniform_int_distribution<int64_t> pick(0, numel - 1);
   return {0, numel - 1, pick(rng)};

@@ -246,7 +246,7 @@ def assert_unchanged(before: Sequence[torch.Tensor | None], after: Sequence[torc
 
 
 def rel_err(actual: torch.Tensor, reference: torch.Tensor) -> float:
-    """||actual - reference|| / ||reference|| in float64 (DESIGN.md's metric); 0 for 0 vs 0."""
+    """||actual - reference|| / ||reference|| in float64 (docs/architecture.md's metric); 0 for 0 vs 0."""
     a = actual.detach().to("cpu", torch.float64).flatten()
     r = reference.detach().to("cpu", torch.float64).flatten()
     num = torch.linalg.vector_norm(a - r).item()
@@ -262,7 +262,7 @@ def assert_rel_err(actual: torch.Tensor, reference: torch.Tensor, tol: float, ms
 
 
 def peer_bound(dtype: torch.dtype, peer: torch.Tensor, reference: torch.Tensor, floor: float = 1e-5) -> float:
-    """DESIGN.md's bound for a low-precision output: twice the error plain PyTorch makes in the
+    """docs/architecture.md's bound for a low-precision output: twice the error plain PyTorch makes in the
     same precision (``peer``), and never tighter than the fp32 bound ``floor``."""
     if dtype == torch.float32:
         return floor

@@ -91,7 +91,7 @@ class Family:
 
 def check_against_reference(family, opt, params, ref_opts, ref_params, inits, dtype, tol, what, weights=None):
     """Weights (masters when kept) and the state within `tol` of the reference (rel err over all
-    tensors together, DESIGN.md's metric), and the weights' displacement from the start within 5 * tol."""
+    tensors together, docs/architecture.md's metric), and the weights' displacement from the start within 5 * tol."""
     ws = weights if weights is not None else [p for ps in params for p in ps]
     refs = [p for ps in ref_params for p in ps]
     start = flat([x.to(dtype) for g in inits for x in g])

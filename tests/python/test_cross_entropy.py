@@ -67,7 +67,7 @@ def peer_grad(logits, target, grad_losses, ignore_index=-100):
 
 
 def grad_bound(logits, peer, ref, lse) -> float:
-    """fp16/bf16: DESIGN.md's 2x torch's error in that dtype. fp32: TOL plus what the backward's
+    """fp16/bf16: docs/architecture.md's 2x torch's error in that dtype. fp32: TOL plus what the backward's
     one input of its own costs: exp(x - lse) sees lse rounded to fp32, a relative error of up to
     |lse| * 2^-24 in every probability (torch keeps x - max and the log-sum apart instead)."""
     if logits.dtype != torch.float32:

@@ -92,7 +92,7 @@ class Track:
 
 
 def check_against(track: Track, weights, exp_avgs, exp_avg_sqs, weight_dtype, what):
-    """DESIGN.md's bounds: fp32 weights within 1e-5 of float64 math; low-precision ones within
+    """docs/architecture.md's bounds: fp32 weights within 1e-5 of float64 math; low-precision ones within
     2x the plain-PyTorch peer's error (fp32 math, weights rounded to their dtype every step)."""
     for k, (name, outs) in enumerate((("w", weights), ("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs))):
         if name == "exp_avg":

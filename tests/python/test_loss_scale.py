@@ -59,7 +59,7 @@ def expected_unscaled(before: torch.Tensor, inv: float | None, dtype: torch.dtyp
 
 def assert_unscaled(out: torch.Tensor, before: torch.Tensor, inv: float | None, what: str) -> None:
     """Bitwise equal to plain PyTorch's fp32 arithmetic (NaN payloads aside), and within
-    DESIGN.md's bound of the float64 product where the input was finite."""
+    docs/architecture.md's bound of the float64 product where the input was finite."""
     expected = expected_unscaled(before, inv, out.dtype)
     assert_bitwise_equal(out.detach().cpu(), expected, what, nan_equal=True)
     b = before.detach().cpu()

@@ -138,7 +138,7 @@ def expected_one_step(st, step, hp=HP, grad_scale=1.0, **flags):
 
 
 def assert_close(actual, reference, operand, tol, msg):
-    """DESIGN's relative error, measured against the larger of the result and an operand of it
+    """docs/architecture.md's relative error, measured against the larger of the result and an operand of it
     (the old weight or moment): where a step cancels most of a small tensor's value, fp32's
     rounding of the operands is what remains, and the result alone would make it look large."""
     a, r, o = (t.detach().to("cpu", torch.float64).flatten() for t in (actual, reference, operand))
