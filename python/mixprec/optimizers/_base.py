@@ -259,12 +259,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{where} is not state {name} knows; expected one of "
                                  f"{sorted(self._state_rules) + ['master_param'] + list(self._scalar_state_keys)}")
         where = f"{name}.load_state_dict: state[{pid}]"
+        lacking = [k for k in self._required_state if k not in out]
+        if out and lacking:
+            raise ValueError(f"{where} lacks {lacking}; expected {list(self._required_state)} for every "
+                             "parameter with state")
         tensors = {k: v for k, v in out.items() if k in self._state_rules}
         if tensors:
-            lacking = [k for k in self._required_state if k not in tensors]
-            if lacking:
-                raise ValueError(f"{where} lacks {lacking}; expected {list(self._required_state)} for every "
-                                 "parameter with state")
             if len({v.dtype for v in tensors.values()}) > 1:
                 got = {k: str(v.dtype) for k, v in tensors.items()}
                 raise ValueError(f"{where} mixes state dtypes {got}; expected one dtype per parameter")
