@@ -2,7 +2,6 @@
 #include "ops/norm.h"
 
 #include <c10/core/DeviceGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 
@@ -51,14 +50,3 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_impl(at::TensorList tensors
 }
 
 }  // namespace mixprec::detail
-
-// An empty list carries no tensor for the dispatcher to pick a backend by; this device-less
-// kernel answers it (backend kernels win whenever there are tensors).
-namespace {
-std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_no_tensors(at::TensorList tensors, double ord, bool per_tensor) {
-  TORCH_CHECK(tensors.empty(), "mixprec::multi_tensor_norm: no kernel for the device of tensors[0]");
-  return mixprec::detail::multi_tensor_norm_impl(tensors, ord, per_tensor, {nullptr, nullptr});
-}
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) { m.impl("multi_tensor_norm", &multi_tensor_norm_no_tensors); }

@@ -74,8 +74,8 @@ def make(name, gen, *, dtype=torch.float32, master_weights=False, memory_format=
          values=None):
     cls, kw = CLASSES[name]
     values = values or [random_tensor(s, torch.float32, "cpu", gen) for s in SHAPES]
-    params = [torch.nn.Parameter(v.to(dtype).contiguous(memory_format=memory_format if v.dim() == 4 else
-                                                        torch.contiguous_format)) for v in values]
+    layout = lambda v: memory_format if v.dim() == 4 else torch.contiguous_format
+    params = [torch.nn.Parameter(v.to(dtype).clone(memory_format=layout(v))) for v in values]  # never shared
     opt = cls([dict(params=params[:2]), dict(params=params[2:])], master_weights=master_weights, **kw)
     return params, opt
 
