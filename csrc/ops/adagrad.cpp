@@ -34,7 +34,7 @@ void adagrad_impl(at::TensorList params, at::TensorList grads, at::TensorList st
 
   // An absent master list is stood in for by params: the kernels never touch it.
   const PackedLists packed =
-      pack_lists(kOp, {param_list, grad_list(grads), sum_list, master_list}, device, /*refuse_overlap=*/true);
+      pack_lists(kOp, {param_list, grad_list(grads), sum_list, master_list}, device, kInPlaceUpdate);
 
   const c10::DeviceGuard guard(device);
   if (step_tensor) run.increment_step(step_tensor_ptr(step_tensor), scalars.found_inf);

@@ -42,8 +42,7 @@ void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
 
   // Absent lists are stood in for by params: the kernels never touch them (see kernels/adam.h).
   const PackedLists packed =
-      pack_lists(kOp, {param_list, grad_list(grads), avg_list, sq_list, max_list, master_list}, device,
-                 /*refuse_overlap=*/true);
+      pack_lists(kOp, {param_list, grad_list(grads), avg_list, sq_list, max_list, master_list}, device, kInPlaceUpdate);
 
   const c10::DeviceGuard guard(device);
   if (step_tensor) run.increment_step(step_tensor_ptr(step_tensor), scalars.found_inf);

@@ -83,7 +83,7 @@ void lamb_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   if (has_master) check_state_dtypes(kOp, master_list, false);
   // An absent master list is stood in for by params: the kernels never touch it.
   const PackedLists packed =
-      pack_lists(kOp, {param_list, grad_list(grads), avg_list, sq_list, master_list}, device, /*refuse_overlap=*/true);
+      pack_lists(kOp, {param_list, grad_list(grads), avg_list, sq_list, master_list}, device, kInPlaceUpdate);
   // Everything is validated: from here on the op only runs.
 
   const c10::DeviceGuard guard(device);

@@ -22,7 +22,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_impl(at::TensorList tensors
   const kernels::NormType type = norm_type_of(kOp, ord);
   if (tensors.empty()) return {at::zeros({}, at::kFloat), at::empty({0}, at::kFloat)};
   const at::Device device = op_device(kOp, {"tensors", tensors}, std::nullopt);
-  const PackedLists packed = pack_lists(kOp, {{"tensors", tensors}}, device);
+  // A norm is a sum over elements in any order: any dense layout will do.
+  const PackedLists packed = pack_lists(kOp, {{"tensors", tensors}}, device, PackRules{/*dense_layouts=*/true});
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
   // Empty tensors have no chunks and get no kernel: their norm is the zero written here.
   at::Tensor per = per_tensor ? at::zeros({packed.num_tensors}, opts) : at::empty({0}, opts);

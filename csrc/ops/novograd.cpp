@@ -114,7 +114,7 @@ void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList e
   if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
   // Without master weights, params stand in for the master list: the kernels never touch it.
   const PackedLists packed =
-      pack_lists(kOp, {param_list, grad_list(grads), avg_list, master_list}, device, /*refuse_overlap=*/true);
+      pack_lists(kOp, {param_list, grad_list(grads), avg_list, master_list}, device, kInPlaceUpdate);
 
   const c10::DeviceGuard guard(device);
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);

@@ -45,7 +45,7 @@ void sgd_impl(at::TensorList params, at::TensorList grads, at::TensorList moment
 
   // Absent lists are stood in for by params: the kernels never touch them (see kernels/sgd.h).
   const PackedLists packed =
-      pack_lists(kOp, {param_list, grad_list(grads), momentum_list, master_list}, device, /*refuse_overlap=*/true);
+      pack_lists(kOp, {param_list, grad_list(grads), momentum_list, master_list}, device, kInPlaceUpdate);
 
   const c10::DeviceGuard guard(device);
   if (step_tensor) run.increment_step(step_tensor_ptr(step_tensor), scalars.found_inf);

@@ -100,7 +100,7 @@ void check_no_overlap(const char* op, const std::vector<NamedList>& lists) {
 }
 
 PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device,
-                       bool refuse_overlap) {
+                       PackRules rules) {
   TORCH_INTERNAL_ASSERT(!lists.empty() && lists.size() <= static_cast<size_t>(kernels::kMaxLists));
   const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
   for (const NamedList& l : lists)
@@ -116,6 +116,9 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
       TORCH_CHECK(t.defined(), what, " is undefined");
       TORCH_CHECK(t.device() == device, what, " is on ", t.device().str(), " but the op runs on ", device.str());
       dtypes[k][i] = kernel_dtype(t, what);
+      if (!rules.dense_layouts) {
+        TORCH_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's multi-tensor ops need contiguous tensors");
+      }
       TORCH_CHECK(t.is_non_overlapping_and_dense(), what, " has strides ", shape(t.strides()), " for shape ",
                   shape(t.sizes()), ", which skip or repeat memory; mixprec's multi-tensor ops need dense tensors "
                   "(contiguous, channels_last or any permutation of dimensions): pass .contiguous()");
@@ -130,7 +133,7 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
                         "with torch.zeros_like(p))");
     }
   }
-  if (refuse_overlap) check_no_overlap(op, lists);
+  if (rules.refuse_overlap) check_no_overlap(op, lists);
 
   PackedLists packed;
   packed.num_tensors = n;

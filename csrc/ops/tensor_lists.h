@@ -46,13 +46,23 @@ struct PackedLists {
   int64_t num_tensors = 0;
 };
 
+// What pack_lists accepts beyond its common checks.
+struct PackRules {
+  // Any dense, non-overlapping layout (contiguous, channels_last, any permutation of dimensions)
+  // that every tensor of an entry shares with lists[0]'s, so the kernels still walk each entry's
+  // tensors together in storage order (element-wise ops and sums); else contiguous only.
+  bool dense_layouts = false;
+  // check_no_overlap: for ops that write some lists in place while reading the others.
+  bool refuse_overlap = false;
+};
+// The fused optimizer ops: element-wise updates in place.
+inline constexpr PackRules kInPlaceUpdate{/*dense_layouts=*/true, /*refuse_overlap=*/true};
+
 // Checks that every list has lists[0]'s length, and every tensor is defined, on `device`,
-// fp32/fp16/bf16, dense and non-overlapping (contiguous, channels_last, any permutation) and
-// shaped and strided like its counterpart in lists[0], so the kernels can walk each entry's
-// tensors together in storage order; with `refuse_overlap`, also check_no_overlap. Then packs
-// them. Nothing is modified, so a failed check leaves every argument as it was.
+// fp32/fp16/bf16, shaped like its counterpart in lists[0] and laid out as `rules` says; then
+// packs them. Nothing is modified, so a failed check leaves every argument as it was.
 PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device,
-                       bool refuse_overlap = false);
+                       PackRules rules = {});
 
 // Refuses memory shared by a tensor the op writes and any other tensor of `lists` (the same
 // tensor twice, overlapping views, one state tensor passed for two, a grad that is its param),
