@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from conftest import assert_bitwise_equal, assert_rel_err, assert_unchanged, random_tensor, snapshot
 from mixprec import _ops
+from mixprec.optimizers import FusedAdam
 from test_misuse_optimizers import CLASSES, NAMES, capture, assert_same_capture, make, set_grads, train
 
 N = 8  # elements of every tensor in the aliasing tests
@@ -236,3 +237,28 @@ def test_multi_tensor_norm_takes_fro_as_2_and_names_other_ords(gen):
     for bad, exc in (("nuc", ValueError), (1.0, ValueError), (None, TypeError), (True, TypeError)):
         with pytest.raises(exc, match=re.escape("mixprec::multi_tensor_norm: ") + "(invalid )?ord"):
             _ops.multi_tensor_norm(ts, bad)
+
+
+def test_o2_fused_adam_trains_a_channels_last_conv_net(gen):
+    """apex.amp O2 with FusedAdam, as torch's fused AdamW takes it: the fp32 masters and moments
+    stay channels_last with the model, and the model holds its masters rounded after each step."""
+    from mixprec import amp
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    model = model.to(memory_format=torch.channels_last)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, max_loss_scale=2.0**8)
+    weights = [p for p in model.parameters() if p.dim() == 4]
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+    start = [m.detach().clone() for m in amp.master_params(opt)]
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last)
+        with amp.scale_loss(model(x.to(weights[0].dtype)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    for p, m, s in zip(model.parameters(), amp.master_params(opt), start):
+        assert m.dtype == torch.float32 and m.stride() == p.stride()
+        assert all(t.stride() == p.stride() for t in opt.state[p].values())
+        assert_bitwise_equal(p.detach().contiguous(), m.to(p.dtype).contiguous(), "model copy != rounded master")
+        assert not torch.equal(m, s), "the masters must train"
