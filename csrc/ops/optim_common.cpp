@@ -71,7 +71,7 @@ namespace {
 void no_tensors(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (const c10::IValue& v : torch::jit::last(*stack, op.schema().arguments().size())) {
     const bool tensor = (v.isTensor() && v.toTensor().defined()) || (v.isTensorList() && !v.toTensorList().empty());
-    TORCH_CHECK(!tensor, op.schema().name(), ": no kernel for the device of the given tensors");
+    TORCH_CHECK(!tensor, std::string(op.schema().name()), ": no kernel for the device of the given tensors");
   }
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
 }

@@ -90,7 +90,7 @@ void check_no_overlap(const char* op, const std::vector<NamedList>& lists) {
       const Extent& w = other->written ? *other : e;  // name a written one first
       const Extent& r = &w == other ? e : *other;
       TORCH_CHECK_VALUE(false, arg_name(op, lists[w.list].name, w.index), " shares memory with ",
-                        lists[r.list].name, "[", num(r.index), "]",
+                        std::string(lists[r.list].name), "[", num(r.index), "]",
                         "; every tensor the op writes needs memory of its own (no tensor listed twice, no "
                         "overlapping views, no state tensor reused for another, no grad that is its param)");
     }
@@ -129,7 +129,7 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
                         " has shape ", shape(ref.sizes()));
       TORCH_CHECK_VALUE(same_layout(t, ref), what, " has strides ", shape(t.strides()), " but ", ref_name,
                         " has strides ", shape(ref.strides()), "; every tensor of one entry needs the layout of ",
-                        lists[0].name, "[i] (e.g. p.grad = torch.empty_like(p).copy_(p.grad), or make the state "
+                        std::string(lists[0].name), "[i] (e.g. p.grad = torch.empty_like(p).copy_(p.grad), or make the state "
                         "with torch.zeros_like(p))");
     }
   }
