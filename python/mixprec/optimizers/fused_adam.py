@@ -21,8 +21,10 @@ class FusedAdam(FusedOptimizer):
 
     Checkpoints: ``state_dict()`` keeps the step count per group (``param_groups[i]["step"]``, a
     device tensor), not per parameter as torch.optim.Adam does, so torch.optim.Adam cannot load
-    it (it looks for ``state[i]["step"]``); the moments themselves are torch's (same keys,
-    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``). FusedAdam loads its own checkpoints.
+    it (its step raises KeyError 'step'); the moments themselves are torch's (same keys,
+    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``). To move to torch, copy each group's
+    ``step`` into ``state[i]["step"]`` of its params and load into torch.optim.AdamW
+    (``adam_w_mode=True``) or torch.optim.Adam (False). FusedAdam loads its own checkpoints.
     """
 
     _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
