@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import assert_bitwise_equal, assert_unchanged, random_tensor, snapshot
+from conftest import assert_bitwise_equal, assert_rel_err, assert_unchanged, random_tensor, snapshot
 from mixprec import _ops
 from mixprec.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
@@ -315,3 +315,29 @@ def test_a_copied_optimizer_trains_bit_identically(name, how, gen):
             assert_bitwise_equal(opt2.state[q][k], opt.state[p][k], k)
     opt2.zero_grad()
     assert all(q.grad is None for q in params2) == opt.set_grad_none
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_a_fused_adam_checkpoint_converted_as_documented_resumes_in_torch(adam_w_mode, gen):
+    """torch.optim.Adam(W) counts steps per parameter: with the group's count copied there (the
+    FusedAdam docstring's recipe) torch resumes where FusedAdam stopped."""
+    params, opt = make("FusedAdam", gen)
+    for g in opt.param_groups:
+        g.update(adam_w_mode=adam_w_mode, amsgrad=False)
+    train(params, opt, gen, steps=3)
+    sd = copy.deepcopy(opt.state_dict())
+    for g in sd["param_groups"]:
+        for pid in g["params"]:
+            sd["state"][pid]["step"] = g["step"].reshape(()).clone()  # torch adds to it in place
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    peer = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(
+        [dict(params=twins[:2]), dict(params=twins[2:])], foreach=False)
+    peer.load_state_dict(sd)
+    for _ in range(3):
+        grads = [random_tensor(p.shape, p.dtype, "cpu", gen) for p in params]
+        set_grads(params, grads)
+        set_grads(twins, grads)
+        opt.step()
+        peer.step()
+    for p, q in zip(params, twins):
+        assert_rel_err(q.detach(), p.detach(), 1e-6, "torch after loading the converted checkpoint")

@@ -22,8 +22,8 @@ class FusedAdam(FusedOptimizer):
     Checkpoints: ``state_dict()`` keeps the step count per group (``param_groups[i]["step"]``, a
     device tensor), not per parameter as torch.optim.Adam does, so torch.optim.Adam cannot load
     it (its step raises KeyError 'step'); the moments themselves are torch's (same keys,
-    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``). To move to torch, copy each group's
-    ``step`` into ``state[i]["step"]`` of its params and load into torch.optim.AdamW
+    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``). To move to torch, put a copy of each
+    group's ``step`` (one per param: torch adds to it in place) in ``state[i]["step"]`` and load into torch.optim.AdamW
     (``adam_w_mode=True``) or torch.optim.Adam (False). FusedAdam loads its own checkpoints.
     """
 
