@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import assert_bitwise_equal, assert_rel_err, assert_unchanged, random_tensor, snapshot
 from mixprec import _ops
 from mixprec.optimizers import FusedAdam
-from test_misuse_optimizers import CLASSES, NAMES, capture, assert_same_capture, make, set_grads, train
+from test_misuse_optimizers import NAMES, assert_same_capture, capture, make, set_grads, train
 
 N = 8  # elements of every tensor in the aliasing tests
 
@@ -152,12 +152,7 @@ def test_channels_last_params_train_like_contiguous_ones(name, master_weights, g
                      memory_format=torch.channels_last)
     pb, opt_b = make(name, gen, dtype=dtype, master_weights=master_weights, values=values)
     assert pa[0].is_contiguous(memory_format=torch.channels_last) and not pa[0].is_contiguous()
-    for _ in range(4):
-        grads = [random_tensor(p.shape, dtype, "cpu", gen) for p in pa]
-        set_grads(pa, grads)
-        set_grads(pb, grads)
-        opt_a.step()
-        opt_b.step()
+    train(pa, opt_a, gen, steps=4, twin=(pb, opt_b))
     exact = name not in ("FusedLAMB", "FusedNovoGrad")
     for a, b in zip(pa, pb):
         for key in opt_b.state[b]:

@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conftest import assert_bitwise_equal, assert_rel_err, assert_unchanged, random_tensor, snapshot
-from mixprec import _ops
 from mixprec.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 # name: (class, options of a valid optimizer). SGD with dampening exercises its split first step.
@@ -85,10 +84,13 @@ def set_grads(params, grads):
         p.grad = torch.empty_like(p).copy_(g)  # the param's layout, as autograd makes it
 
 
-def train(params, opt, gen, steps=2):
+def train(params, opt, gen, steps=2, twin=None):
+    """`steps` steps with fresh grads; `twin` (params, optimizer) gets the same grads and steps."""
     for _ in range(steps):
-        set_grads(params, [random_tensor(p.shape, p.dtype, "cpu", gen) for p in params])
-        opt.step()
+        grads = [random_tensor(p.shape, p.dtype, "cpu", gen) for p in params]
+        for ps, o in [(params, opt)] + ([twin] if twin else []):
+            set_grads(ps, grads)
+            o.step()
 
 
 def capture(opt, params):
@@ -302,12 +304,7 @@ def test_a_copied_optimizer_trains_bit_identically(name, how, gen):
     params2, opt2 = _copy((params, opt), how)
     for attr in ("master_weights", "set_grad_none", "capturable", "state_dtype", "materialize_master_grads"):
         assert getattr(opt2, attr, None) == getattr(opt, attr, None), attr
-    for _ in range(3):
-        grads = [random_tensor(p.shape, p.dtype, "cpu", gen) for p in params]
-        set_grads(params, grads)
-        set_grads(params2, grads)
-        opt.step()
-        opt2.step()
+    train(params, opt, gen, steps=3, twin=(params2, opt2))
     for p, q in zip(params, params2):
         assert_bitwise_equal(q.detach(), p.detach(), "param")
         assert sorted(opt.state[p]) == sorted(opt2.state[q])
@@ -333,11 +330,6 @@ def test_a_fused_adam_checkpoint_converted_as_documented_resumes_in_torch(adam_w
     peer = (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)(
         [dict(params=twins[:2]), dict(params=twins[2:])], foreach=False)
     peer.load_state_dict(sd)
-    for _ in range(3):
-        grads = [random_tensor(p.shape, p.dtype, "cpu", gen) for p in params]
-        set_grads(params, grads)
-        set_grads(twins, grads)
-        opt.step()
-        peer.step()
+    train(params, opt, gen, steps=3, twin=(twins, peer))
     for p, q in zip(params, twins):
         assert_rel_err(q.detach(), p.detach(), 1e-6, "torch after loading the converted checkpoint")
