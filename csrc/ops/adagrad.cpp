@@ -2,7 +2,6 @@
 #include "ops/adagrad.h"
 
 #include <c10/core/DeviceGuard.h>
-#include <torch/library.h>
 
 #include "ops/optim_common.h"
 
@@ -29,12 +28,13 @@ void adagrad_impl(at::TensorList params, at::TensorList grads, at::TensorList st
 
   const NamedList param_list{"params", params}, sum_list{"state_sums", state_sums};
   const bool has_master = present(master_params);
-  const NamedList master_list = has_master ? NamedList{"master_params", master_params} : param_list;
+  const NamedList master_list = master_list_or(master_params, param_list);
   check_state_dtypes(kOp, sum_list, /*allow_bf16=*/false);
   if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
 
   // An absent master list is stood in for by params: the kernels never touch it.
-  const PackedLists packed = pack_lists(kOp, {param_list, {"grads", grads}, sum_list, master_list}, device);
+  const PackedLists packed =
+      pack_lists(kOp, {param_list, grad_list(grads), sum_list, master_list}, device, kInPlaceUpdate);
 
   const c10::DeviceGuard guard(device);
   if (step_tensor) run.increment_step(step_tensor_ptr(step_tensor), scalars.found_inf);
@@ -53,22 +53,3 @@ void adagrad_impl(at::TensorList params, at::TensorList grads, at::TensorList st
 }
 
 }  // namespace mixprec::detail
-
-// Empty lists and no device scalars carry no tensor for the dispatcher to pick a backend by (a
-// filtered param list can come out empty); this device-less kernel answers them, checking the
-// hyper-parameters all the same. Backend kernels win whenever there is a tensor.
-namespace {
-void adagrad_no_tensors(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
-                        at::TensorList master_params, const std::optional<at::Tensor>& step_tensor, double lr,
-                        double eps, double weight_decay, double lr_decay, bool adagrad_w_mode, bool maximize,
-                        int64_t step, const std::optional<at::Tensor>& lr_tensor,
-                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK(params.empty() && !step_tensor && !lr_tensor && !grad_scale && !found_inf,
-              "mixprec::adagrad_: no kernel for the device of the given tensors");
-  mixprec::detail::adagrad_impl(params, grads, state_sums, master_params, step_tensor, lr, eps, weight_decay,
-                                lr_decay, adagrad_w_mode, maximize, step, lr_tensor, grad_scale, found_inf,
-                                {nullptr, nullptr});
-}
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) { m.impl("adagrad_", &adagrad_no_tensors); }

@@ -36,13 +36,13 @@ void adam_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   const bool amsgrad = present(max_exp_avg_sqs);
   const bool has_master = present(master_params);
   const NamedList max_list = amsgrad ? NamedList{"max_exp_avg_sqs", max_exp_avg_sqs} : param_list;
-  const NamedList master_list = has_master ? NamedList{"master_params", master_params} : param_list;
+  const NamedList master_list = master_list_or(master_params, param_list);
   if (amsgrad) check_state_dtypes(kOp, max_list, true, &avg_list);
   if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
 
   // Absent lists are stood in for by params: the kernels never touch them (see kernels/adam.h).
-  const PackedLists packed = pack_lists(
-      kOp, {param_list, {"grads", grads}, avg_list, sq_list, max_list, master_list}, device);
+  const PackedLists packed =
+      pack_lists(kOp, {param_list, grad_list(grads), avg_list, sq_list, max_list, master_list}, device, kInPlaceUpdate);
 
   const c10::DeviceGuard guard(device);
   if (step_tensor) run.increment_step(step_tensor_ptr(step_tensor), scalars.found_inf);

@@ -79,10 +79,11 @@ void lamb_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_a
   check_state_dtypes(kOp, avg_list, /*allow_bf16=*/false);
   check_state_dtypes(kOp, sq_list, false);
   const bool has_master = present(master_params);
-  const NamedList master_list = has_master ? NamedList{"master_params", master_params} : param_list;
+  const NamedList master_list = master_list_or(master_params, param_list);
   if (has_master) check_state_dtypes(kOp, master_list, false);
   // An absent master list is stood in for by params: the kernels never touch it.
-  const PackedLists packed = pack_lists(kOp, {param_list, {"grads", grads}, avg_list, sq_list, master_list}, device);
+  const PackedLists packed =
+      pack_lists(kOp, {param_list, grad_list(grads), avg_list, sq_list, master_list}, device, kInPlaceUpdate);
   // Everything is validated: from here on the op only runs.
 
   const c10::DeviceGuard guard(device);

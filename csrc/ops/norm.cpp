@@ -2,7 +2,6 @@
 #include "ops/norm.h"
 
 #include <c10/core/DeviceGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 
@@ -23,7 +22,8 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_impl(at::TensorList tensors
   const kernels::NormType type = norm_type_of(kOp, ord);
   if (tensors.empty()) return {at::zeros({}, at::kFloat), at::empty({0}, at::kFloat)};
   const at::Device device = op_device(kOp, {"tensors", tensors}, std::nullopt);
-  const PackedLists packed = pack_lists(kOp, {{"tensors", tensors}}, device);
+  // A norm is a sum over elements in any order: any dense layout will do.
+  const PackedLists packed = pack_lists(kOp, {{"tensors", tensors}}, device, PackRules{/*dense_layouts=*/true});
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
   // Empty tensors have no chunks and get no kernel: their norm is the zero written here.
   at::Tensor per = per_tensor ? at::zeros({packed.num_tensors}, opts) : at::empty({0}, opts);
@@ -51,14 +51,3 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_impl(at::TensorList tensors
 }
 
 }  // namespace mixprec::detail
-
-// An empty list carries no tensor for the dispatcher to pick a backend by; this device-less
-// kernel answers it (backend kernels win whenever there are tensors).
-namespace {
-std::tuple<at::Tensor, at::Tensor> multi_tensor_norm_no_tensors(at::TensorList tensors, double ord, bool per_tensor) {
-  TORCH_CHECK(tensors.empty(), "mixprec::multi_tensor_norm: no kernel for the device of tensors[0]");
-  return mixprec::detail::multi_tensor_norm_impl(tensors, ord, per_tensor, {nullptr, nullptr});
-}
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) { m.impl("multi_tensor_norm", &multi_tensor_norm_no_tensors); }

@@ -110,10 +110,11 @@ void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList e
   const NamedList param_list{"params", params}, avg_list{"exp_avgs", exp_avgs};
   check_state_dtypes(kOp, avg_list, /*allow_bf16=*/false);
   const bool has_master = present(master_params);
-  const NamedList master_list = has_master ? NamedList{"master_params", master_params} : param_list;
+  const NamedList master_list = master_list_or(master_params, param_list);
   if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
   // Without master weights, params stand in for the master list: the kernels never touch it.
-  const PackedLists packed = pack_lists(kOp, {param_list, {"grads", grads}, avg_list, master_list}, device);
+  const PackedLists packed =
+      pack_lists(kOp, {param_list, grad_list(grads), avg_list, master_list}, device, kInPlaceUpdate);
 
   const c10::DeviceGuard guard(device);
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);

@@ -1,6 +1,10 @@
 // Validation shared by the fused optimizer ops (see optim_common.h).
 #include "ops/optim_common.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/library.h>
+
 #include <cmath>
 
 namespace mixprec::detail {
@@ -56,3 +60,24 @@ void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, 
 }
 
 }  // namespace mixprec::detail
+
+// A call whose lists are all empty and whose device scalars are all None carries no tensor for
+// the dispatcher to pick a backend by (a filtered param list can come out empty, on either
+// front). This one boxed kernel answers it for every multi-tensor op: it makes sure the call
+// really holds no tensor, then runs the op's CPU kernel, which checks the hyper-parameters and the
+// list lengths like any other call and has nothing to update. Backend kernels win whenever a
+// tensor is present.
+namespace {
+void no_tensors(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  for (const c10::IValue& v : torch::jit::last(*stack, op.schema().arguments().size())) {
+    const bool tensor = (v.isTensor() && v.toTensor().defined()) || (v.isTensorList() && !v.toTensorList().empty());
+    TORCH_CHECK(!tensor, std::string(op.schema().name()), ": no kernel for the device of the given tensors");
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) {
+  for (const char* name : {"adam_", "sgd_", "lamb_", "adagrad_", "novograd_", "multi_tensor_norm"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_tensors>());
+}

@@ -29,6 +29,15 @@ void check_range(const char* op, const char* name, double v, double lo, double h
 // Every tensor of `list` is float32, or (allow_bf16) bfloat16 like its counterpart in `like`.
 void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, const NamedList* like = nullptr);
 
+// The grads list: read, never written (the overlap check lets grads share memory among themselves).
+inline NamedList grad_list(at::TensorList grads) { return {"grads", grads, /*written=*/false}; }
+
+// master_params when given (an fp32 param may be its own master), else `params` standing in for
+// the absent list: the kernels never touch a stand-in.
+inline NamedList master_list_or(at::TensorList master_params, const NamedList& params) {
+  return master_params.empty() ? params : NamedList{"master_params", master_params, true, /*may_be_params=*/true};
+}
+
 // A list is "absent" when empty; else it must match `ref` in length (checked later by pack_lists).
 inline bool present(at::TensorList l) { return !l.empty(); }
 

@@ -2,7 +2,6 @@
 #include "ops/sgd.h"
 
 #include <c10/core/DeviceGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 
@@ -40,12 +39,13 @@ void sgd_impl(at::TensorList params, at::TensorList grads, at::TensorList moment
   const NamedList param_list{"params", params};
   const bool has_master = present(master_params);
   const NamedList momentum_list = use_momentum ? NamedList{"momentum_buffers", momentum_buffers} : param_list;
-  const NamedList master_list = has_master ? NamedList{"master_params", master_params} : param_list;
+  const NamedList master_list = master_list_or(master_params, param_list);
   if (use_momentum) check_state_dtypes(kOp, momentum_list, /*allow_bf16=*/false);
   if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
 
   // Absent lists are stood in for by params: the kernels never touch them (see kernels/sgd.h).
-  const PackedLists packed = pack_lists(kOp, {param_list, {"grads", grads}, momentum_list, master_list}, device);
+  const PackedLists packed =
+      pack_lists(kOp, {param_list, grad_list(grads), momentum_list, master_list}, device, kInPlaceUpdate);
 
   const c10::DeviceGuard guard(device);
   if (step_tensor) run.increment_step(step_tensor_ptr(step_tensor), scalars.found_inf);
@@ -65,22 +65,3 @@ void sgd_impl(at::TensorList params, at::TensorList grads, at::TensorList moment
 }
 
 }  // namespace mixprec::detail
-
-// Empty lists and no device scalars carry no tensor for the dispatcher to pick a backend by (a
-// filtered param list can come out empty); this device-less kernel answers them, checking the
-// hyper-parameters all the same. Backend kernels win whenever there is a tensor.
-namespace {
-void sgd_no_tensors(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                    at::TensorList master_params, const std::optional<at::Tensor>& step_tensor, double lr,
-                    double momentum, double dampening, double weight_decay, bool nesterov, bool wd_after_momentum,
-                    bool maximize, int64_t step, const std::optional<at::Tensor>& lr_tensor,
-                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK(params.empty() && !step_tensor && !lr_tensor && !grad_scale && !found_inf,
-              "mixprec::sgd_: no kernel for the device of the given tensors");
-  mixprec::detail::sgd_impl(params, grads, momentum_buffers, master_params, step_tensor, lr, momentum, dampening,
-                            weight_decay, nesterov, wd_after_momentum, maximize, step, lr_tensor, grad_scale,
-                            found_inf, {nullptr, nullptr});
-}
-}  // namespace
-
-TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) { m.impl("sgd_", &sgd_no_tensors); }

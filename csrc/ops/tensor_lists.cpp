@@ -1,6 +1,8 @@
 // Validation and packing of tensor-list arguments into kernel-tier groups (see tensor_lists.h).
 #include "ops/tensor_lists.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <map>
 
 namespace mixprec::detail {
@@ -43,7 +45,62 @@ at::Device op_device(const char* op, const NamedList& list, const c10::optional<
   return list.tensors[0].device();
 }
 
-PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device) {
+namespace {
+
+// Whether a and b (same sizes) lay out their elements in the same storage order: equal strides
+// in every dimension of size > 1 (a size-1 dimension's stride is never used).
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  return true;
+}
+
+}  // namespace
+
+void check_no_overlap(const char* op, const std::vector<NamedList>& lists) {
+  struct Extent {
+    uintptr_t begin, end;
+    size_t list;
+    int64_t index;
+    bool written;
+  };
+  std::vector<Extent> extents;
+  for (size_t k = 0; k < lists.size(); ++k) {
+    const NamedList& l = lists[k];
+    if (k > 0 && l.tensors.data() == lists[0].tensors.data()) continue;  // a stand-in
+    for (size_t i = 0; i < l.tensors.size(); ++i) {
+      const at::Tensor& t = l.tensors[i];
+      if (!t.defined() || t.numel() == 0) continue;
+      // Dense and non-overlapping (checked first): the elements fill [data_ptr, + nbytes).
+      const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+      if (l.may_be_params && i < lists[0].tensors.size() && lists[0].tensors[i].defined() &&
+          lists[0].tensors[i].data_ptr() == t.data_ptr() && lists[0].tensors[i].nbytes() == t.nbytes())
+        continue;  // params[i] itself, already counted
+      extents.push_back({begin, begin + t.nbytes(), k, static_cast<int64_t>(i), l.written});
+    }
+  }
+  std::sort(extents.begin(), extents.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+  // Sweeping by start: an extent overlaps an earlier one iff that one ends past its start, so the
+  // earlier extent ending last (of all, and of the written) is the one to compare with.
+  const Extent* last_any = nullptr;
+  const Extent* last_written = nullptr;
+  for (const Extent& e : extents) {
+    const Extent* other = e.written ? last_any : last_written;
+    if (other != nullptr && other->end > e.begin) {
+      const Extent& w = other->written ? *other : e;  // name a written one first
+      const Extent& r = &w == other ? e : *other;
+      TORCH_CHECK_VALUE(false, arg_name(op, lists[w.list].name, w.index), " shares memory with ",
+                        std::string(lists[r.list].name), "[", num(r.index), "]",
+                        "; every tensor the op writes needs memory of its own (no tensor listed twice, no "
+                        "overlapping views, no state tensor reused for another, no grad that is its param)");
+    }
+    if (last_any == nullptr || e.end > last_any->end) last_any = &e;
+    if (e.written && (last_written == nullptr || e.end > last_written->end)) last_written = &e;
+  }
+}
+
+PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device,
+                       PackRules rules) {
   TORCH_INTERNAL_ASSERT(!lists.empty() && lists.size() <= static_cast<size_t>(kernels::kMaxLists));
   const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
   for (const NamedList& l : lists)
@@ -59,12 +116,24 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
       TORCH_CHECK(t.defined(), what, " is undefined");
       TORCH_CHECK(t.device() == device, what, " is on ", t.device().str(), " but the op runs on ", device.str());
       dtypes[k][i] = kernel_dtype(t, what);
-      TORCH_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's multi-tensor ops need contiguous tensors");
-      if (k > 0)
-        TORCH_CHECK_VALUE(t.sizes().equals(lists[0].tensors[i].sizes()), what, " has shape ", shape(t.sizes()), " but ",
-                          arg_name(op, lists[0].name, i), " has shape ", shape(lists[0].tensors[i].sizes()));
+      if (!rules.dense_layouts) {
+        TORCH_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's multi-tensor ops need contiguous tensors");
+      }
+      TORCH_CHECK(t.is_non_overlapping_and_dense(), what, " has strides ", shape(t.strides()), " for shape ",
+                  shape(t.sizes()), ", which skip or repeat memory; mixprec's multi-tensor ops need dense tensors "
+                  "(contiguous, channels_last or any permutation of dimensions): pass .contiguous()");
+      if (k == 0) continue;
+      const at::Tensor& ref = lists[0].tensors[i];
+      const std::string ref_name = arg_name(op, lists[0].name, i);
+      TORCH_CHECK_VALUE(t.sizes().equals(ref.sizes()), what, " has shape ", shape(t.sizes()), " but ", ref_name,
+                        " has shape ", shape(ref.sizes()));
+      TORCH_CHECK_VALUE(same_layout(t, ref), what, " has strides ", shape(t.strides()), " but ", ref_name,
+                        " has strides ", shape(ref.strides()), "; every tensor of one entry needs the layout of ",
+                        std::string(lists[0].name), "[i] (e.g. p.grad = torch.empty_like(p).copy_(p.grad), or make the state "
+                        "with torch.zeros_like(p))");
     }
   }
+  if (rules.refuse_overlap) check_no_overlap(op, lists);
 
   PackedLists packed;
   packed.num_tensors = n;

@@ -27,10 +27,14 @@ std::string arg_name(const char* op, const char* arg, int64_t index = -1);
 void check_scalar_tensor(const char* op, const char* arg, const at::Tensor& t, const at::Device& device,
                          at::ScalarType dtype = at::kFloat);
 
-// One named list of an op's arguments.
+// One named list of an op's arguments. `written`: the op writes its tensors (false for grads),
+// which matters to the overlap check. `may_be_params`: entry i may be params[i] itself (an fp32
+// parameter is its own master), the one aliasing the kernels are written for.
 struct NamedList {
   const char* name;
   at::TensorList tensors;
+  bool written = true;
+  bool may_be_params = false;
 };
 
 // The validated operands of one multi-tensor op: one group per combination of dtypes across
@@ -42,10 +46,29 @@ struct PackedLists {
   int64_t num_tensors = 0;
 };
 
+// What pack_lists accepts beyond its common checks.
+struct PackRules {
+  // Any dense, non-overlapping layout (contiguous, channels_last, any permutation of dimensions)
+  // that every tensor of an entry shares with lists[0]'s, so the kernels still walk each entry's
+  // tensors together in storage order (element-wise ops and sums); else contiguous only.
+  bool dense_layouts = false;
+  // check_no_overlap: for ops that write some lists in place while reading the others.
+  bool refuse_overlap = false;
+};
+// The fused optimizer ops: element-wise updates in place.
+inline constexpr PackRules kInPlaceUpdate{/*dense_layouts=*/true, /*refuse_overlap=*/true};
+
 // Checks that every list has lists[0]'s length, and every tensor is defined, on `device`,
-// fp32/fp16/bf16, contiguous and shaped like its counterpart in lists[0]; then packs them.
-// Nothing is modified, so a failed check leaves every argument as it was.
-PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device);
+// fp32/fp16/bf16, shaped like its counterpart in lists[0] and laid out as `rules` says; then
+// packs them. Nothing is modified, so a failed check leaves every argument as it was.
+PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device,
+                       PackRules rules = {});
+
+// Refuses memory shared by a tensor the op writes and any other tensor of `lists` (the same
+// tensor twice, overlapping views, one state tensor passed for two, a grad that is its param),
+// naming both: torch's fused optimizers compute garbage there silently. A list that is lists[0]
+// itself (a stand-in for an absent list, never touched) takes no part. O(n log n).
+void check_no_overlap(const char* op, const std::vector<NamedList>& lists);
 
 // The device an op runs on: that of `anchor` if defined, else of the first tensor of `list`.
 at::Device op_device(const char* op, const NamedList& list, const c10::optional<at::Tensor>& anchor);

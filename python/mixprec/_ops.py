@@ -82,22 +82,37 @@ def update_scale_(
     )
 
 
+def _norm_ord(ord) -> float:
+    """``ord`` as the op's float: "fro" is 2, as in torch.norm (the tensors' elements form one
+    vector, whose Frobenius norm is its 2-norm); other strings and non-numbers are refused."""
+    if isinstance(ord, str):
+        if ord == "fro":
+            return 2.0
+        raise ValueError(f"mixprec::multi_tensor_norm: invalid ord {ord!r}; expected 2 (or 'fro', the same) or inf")
+    if isinstance(ord, bool) or not isinstance(ord, (int, float)):
+        raise TypeError(f"mixprec::multi_tensor_norm: ord is {type(ord).__name__}; expected 2 (or 'fro', the same) "
+                        "or inf")
+    return float(ord)
+
+
 def multi_tensor_norm(
     tensors: Sequence[torch.Tensor], ord: float = 2.0, per_tensor: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The norm (``ord`` 2 or inf) of all ``tensors`` together, and of each one.
+    """The norm (``ord`` 2, "fro" meaning 2 as in torch.norm, or inf) of all ``tensors``
+    together, and of each one.
 
     Returns ``(total, per_tensor_norms)``: a 0-dim float32 tensor and a float32 vector of
     ``len(tensors)`` (empty unless ``per_tensor``). Accumulates in float32, deterministically.
     Sharded DTensors count whole: their shards' norms are combined across ranks (a collective
     every rank must join).
     """
+    ord = _norm_ord(ord)
     layout = shard_layout(tensors)
     (tensors,) = local_lists("multi_tensor_norm", (tensors,))
     if layout is None:
-        return _ops.multi_tensor_norm(tensors, float(ord), per_tensor)
-    _, local_norms = _ops.multi_tensor_norm(tensors, float(ord), True)
-    norms = reduce_shard_norms(layout, local_norms, float(ord))
+        return _ops.multi_tensor_norm(tensors, ord, per_tensor)
+    _, local_norms = _ops.multi_tensor_norm(tensors, ord, True)
+    norms = reduce_shard_norms(layout, local_norms, ord)
     total = norms.amax() if ord != 2 else torch.linalg.vector_norm(norms)
     return total, norms if per_tensor else norms.new_empty(0)
 
@@ -178,11 +193,6 @@ def adam_(
     it the host ``step`` (counting this step) is used. amsgrad is on when ``max_exp_avg_sqs`` is
     given. Moments are float32, or bfloat16 to save memory.
     """
-    if not params and all(t is None for t in (step_tensor, lr_tensor, grad_scale, found_inf)):
-        # No tensor for the dispatcher to pick a backend from, and nothing to update.
-        if grads or exp_avgs or exp_avg_sqs or max_exp_avg_sqs or master_params:
-            raise ValueError("mixprec::adam_: params is empty but other lists are not")
-        return
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params = local_lists(
         "adam_", (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params))
     _ops.adam_(

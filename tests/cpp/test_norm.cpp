@@ -158,7 +158,8 @@ TEST_P(Norm, ErrorsNameOpArgumentAndIndexAndModifyNothing) {
   for (double ord : {1.0, 0.0, 3.0, -kInf, kNaN}) run(ts, ord, "ord");
   run(with(2, torch::ones({3}, opts(at::kDouble))), 2.0, "tensors[2]");
   run(with(2, torch::ones({3}, opts(at::kInt))), 2.0, "tensors[2]");
-  run(with(1, torch::ones({30, 20}, opts()).t()), 2.0, "tensors[1]");
+  // Dense layouts (a transpose, channels_last) are fine for a sum; skipping memory is not.
+  run(with(1, torch::ones({20, 60}, opts()).slice(1, 0, 60, 2)), 2.0, "tensors[1]");
   run(with(2, torch::ones({6}, opts()).slice(0, 0, 6, 2)), kInf, "tensors[2]");
   if (device().is_cuda()) run(with(2, ts[2].cpu()), 2.0, "tensors[2]");
 }

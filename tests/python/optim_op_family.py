@@ -274,7 +274,13 @@ def set_kw(**changes):
 
 
 def noncontiguous(x):
-    return x.t().contiguous().t()  # same shape and values, column-major
+    """Same shape and values, every other element of a buffer twice its size: not dense, so no
+    linear walk of the storage reads it (column-major, channels_last and the like are fine)."""
+    return torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0]
+
+
+def column_major(x):
+    return x.t().contiguous().t()  # same shape and values, dense, a layout unlike its entry's
 
 
 # Bad operands every op has: name: (edit of the operands, exception, argument, list index or None).
@@ -284,6 +290,8 @@ COMMON_BAD_INPUTS = {
     "grads_shape": (set_item("grads", 1, lambda x: x.reshape(4, 3)), ValueError, "grads", 1),
     "params_noncontiguous": (set_item("params", 1, noncontiguous), RuntimeError, "params", 1),
     "master_params_noncontiguous": (set_item("master_params", 1, noncontiguous), RuntimeError, "master_params", 1),
+    "grads_other_layout": (set_item("grads", 1, column_major), ValueError, "grads", 1),
+    "master_params_other_layout": (set_item("master_params", 1, column_major), ValueError, "master_params", 1),
     "params_fp64": (set_item("params", 2, lambda x: x.double()), TypeError, "params", 2),
     "grads_int": (set_item("grads", 0, lambda x: x.int()), TypeError, "grads", 0),
     "step_zero": (set_kw(step=0), ValueError, "step", None),

@@ -231,7 +231,22 @@ def test_bad_ord_is_rejected(device, ord, gen):
 
 
 def _nc(device):
-    return torch.ones(3, 4, device=device).t()
+    return torch.ones(3, 8, device=device)[:, ::2]  # skips memory: no linear walk reads it
+
+
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_dense_strided_tensors_take_their_norms(device, per_tensor, gen):
+    """Transposed and channels_last tensors are dense: summed in storage order, their norms are
+    those of their contiguous copies (float64 reference)."""
+    base = random_tensors([(CHUNK // 64 + 3, 67), (3, 5, 7, 2), (9, 4)], FLOAT_DTYPES, device, gen)
+    tensors = [base[0].t(), base[1].contiguous(memory_format=torch.channels_last), base[2]]
+    assert not tensors[0].is_contiguous() and not tensors[1].is_contiguous()
+    for ord in ORDS:
+        total, per = mixprec.multi_tensor_norm(tensors, ord, per_tensor)
+        ref = [torch.linalg.vector_norm(t.double().flatten(), ord) for t in tensors]
+        assert_rel_err(total, torch.linalg.vector_norm(torch.stack(ref), ord), 1e-6, f"total, ord {ord}")
+        if per_tensor:
+            assert_rel_err(per, torch.stack(ref), 1e-6, f"per tensor, ord {ord}")
 
 
 NORM_BAD = {

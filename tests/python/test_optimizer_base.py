@@ -10,13 +10,14 @@ import torch
 
 from conftest import assert_bitwise_equal, random_tensor
 from mixprec.optimizers import FusedAdam, FusedOptimizer
+from mixprec.optimizers._rules import MOMENT
 
 
 class Recorder(FusedOptimizer):
     """A minimal subclass: plain SGD on the weights (masters when kept), recording what the base
     hands to _step_group, so the base's plumbing is tested apart from any kernel."""
 
-    _state_keys = ("buf",)
+    _state_rules = {"buf": MOMENT}
     _scalar_state_keys = ("count",)
 
     def __init__(self, params, lr=0.1, **kw):

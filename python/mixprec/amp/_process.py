@@ -146,7 +146,7 @@ def _init_fused_masters(optimizer: FusedOptimizer, group: dict, originals: dict)
         if not state:
             optimizer._init_param_state(p, group)
         if "master_param" not in state:
-            state["master_param"] = p.detach().clone(memory_format=torch.contiguous_format).float()
+            state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
         if p in originals:
             state["master_param"].copy_(originals[p])
 

@@ -9,6 +9,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .._dtensor import dtensor_type
+from ._rules import LR, MOMENT, check_group, check_state_values, step_count
 
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
 
@@ -39,12 +40,23 @@ class FusedOptimizer(torch.optim.Optimizer):
       them, and the op steps each rank's local shards; steps that need norms of whole tensors
       (LAMB, NovoGrad) have the ops reduce the shards' norms across ranks.
 
-    Subclasses set ``_state_keys`` (per-parameter state tensors shaped like the parameter, besides
-    ``master_param``), implement ``_init_state(p, group)`` and ``_step_group(...)``.
+    Subclasses declare their rules as data (see ``_rules.py``): ``_hyper_rules`` (option -> Rule)
+    and ``_group_rules`` for the options, ``_state_rules`` (per-parameter state tensors shaped
+    like the parameter, besides ``master_param``, -> StateRule), ``_required_state`` (keys every
+    non-empty state has) and ``_state_dtypes`` (state dtypes kept on load; other float dtypes
+    become float32 unless ``_convert_foreign_state`` is False); and implement ``_init_state(p, group)`` and ``_step_group(...)``.
+    Copies (``copy.deepcopy``, pickle, ``torch.save(optimizer)``) keep every public attribute.
     """
 
     _step_supports_amp_scaling = True
-    _state_keys: tuple[str, ...] = ()
+    _hyper_rules: dict = {"lr": LR}
+    _group_rules: tuple = ()
+    _state_rules: dict = {}
+    _required_state: tuple[str, ...] = ()
+    _state_dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    # Whether state of other float dtypes (torch's and Apex's, in the param's dtype) loads as
+    # float32; False refuses it.
+    _convert_foreign_state = True
     _scalar_state_keys: tuple[str, ...] = ()
     # Group options that checkpoints of the classes a subclass can load (torch.optim's, Apex's)
     # do not have; the subclass fills them in after loading. Any other missing option is an error.
@@ -52,25 +64,50 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], defaults: dict, *, master_weights: bool = False,
                  set_grad_none: bool = True, capturable: bool = False):
+        self._check_group(defaults, "defaults")
         super().__init__(params, defaults)
         self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
         # Kept for Apex compatibility: mixprec's steps never sync with the host, so every step is
         # graph-capturable once lr and step live on the device.
         self.capturable = bool(capturable)
+        self._reset_caches()
 
     # -- torch.optim surface ----------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         # Checked before torch appends it, so a bad group is never added.
+        where = f"param group {len(self.param_groups)}"
         full = dict(self.defaults, **{k: v for k, v in param_group.items() if k != "params"})
-        self._check_group(full, f"param group {len(self.param_groups)}")
+        self._check_group(full, where)
+        params = param_group.get("params")
+        if isinstance(params, (list, tuple)):
+            # torch only warns here; a parameter stepped twice per step() is silently wrong.
+            seen: dict[int, int] = {}
+            for i, p in enumerate(params):
+                if id(p) in seen:
+                    raise ValueError(f"{type(self).__name__}.add_param_group: {where}: params[{i}] is params"
+                                     f"[{seen[id(p)]}] again; expected each parameter once")
+                seen[id(p)] = i
         super().add_param_group(param_group)
 
     def _check_group(self, group: dict, where: str) -> None:
-        """Raises ValueError for invalid hyper-parameters of `group` (subclasses)."""
+        """Raises ValueError for the first option of `group` that breaks the class's rules."""
+        check_group(type(self).__name__, self._hyper_rules, self._group_rules, group, where)
 
-    def _check_state_tensor(self, key: str, value: torch.Tensor, where: str) -> None:
-        """Raises ValueError for a state tensor of the wrong dtype (subclasses)."""
+    # -- copies: torch.optim.Optimizer pickles only defaults, state and param_groups ------------
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        # Every public attribute (master_weights, set_grad_none, state_dtype, ...): without them a
+        # copy cannot step. Private ones are caches, rebuilt by _reset_caches.
+        state.update({k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in state})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        """(Re)creates per-instance caches (subclasses): at construction and in a copy."""
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
@@ -90,9 +127,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        for index, group in enumerate(self.param_groups):  # all groups before any steps
+        plan = []
+        for index, group in enumerate(self.param_groups):  # every group is checked before any steps
             self._check_group(group, f"param group {index}")
-        for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
@@ -103,6 +140,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                                      f"({device} and {p.device}); put each device's params in its own group")
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            plan.append((group, params, device))
+        for group, params, device in plan:
             for p in params:
                 if len(self.state[p]) == 0:
                     self._init_param_state(p, group)
@@ -121,7 +160,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _init_param_state(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
         if self.master_weights and p.dtype != torch.float32:
-            state["master_param"] = p.detach().clone(memory_format=torch.contiguous_format).float()
+            # In the parameter's layout (channels_last stays channels_last): the op walks an
+            # entry's tensors in one storage order.
+            state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
         self._init_state(p, group, state)
 
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
@@ -192,14 +233,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             new_group["params"] = group["params"]
             step = new_group.get("step")
             if step is not None:
-                if isinstance(step, torch.Tensor):
-                    if step.numel() != 1:
-                        raise ValueError(f"{name}.load_state_dict: param group {gi} 'step' has {step.numel()} elements")
-                    step = step.detach().to(torch.float32).reshape(1)
-                elif isinstance(step, (int, float)):
-                    step = torch.tensor([float(step)])
-                else:
-                    raise ValueError(f"{name}.load_state_dict: param group {gi} 'step' is {type(step).__name__}")
+                step = step_count(step, f"{name}.load_state_dict: param group {gi} 'step'")
                 device = group["params"][0].device if group["params"] else torch.device("cpu")
                 new_group["step"] = step.to(device, copy=True)  # never shared with the source
             new_groups.append(new_group)
@@ -208,34 +242,59 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.param_groups = new_groups
 
     def _validated_param_state(self, pid: Any, p: torch.Tensor, saved_state: dict) -> dict:
+        """One parameter's saved state, checked against the class's rules and copied into the
+        parameter's device and memory layout; raises before anything is kept."""
         name = type(self).__name__
         if not isinstance(saved_state, dict):
             raise ValueError(f"{name}.load_state_dict: state of parameter {pid} is not a dict")
         out = {}
         for key, value in saved_state.items():
             where = f"{name}.load_state_dict: state[{pid}][{key!r}]"
-            if key in self._state_keys or key == "master_param":
-                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                    raise ValueError(f"{where} must be a floating-point tensor")
-                if value.shape != p.shape:
-                    raise ValueError(f"{where} has shape {tuple(value.shape)} but the parameter has {tuple(p.shape)}")
-                cls = dtensor_type()
-                if cls is not None and isinstance(value, cls) != isinstance(p, cls):
-                    raise ValueError(f"{where} is {'a DTensor' if isinstance(value, cls) else 'a plain tensor'} but the "
-                                     f"parameter is {'a DTensor' if isinstance(p, cls) else 'a plain tensor'}; load "
-                                     "sharded checkpoints with torch.distributed.checkpoint.state_dict."
-                                     "set_optimizer_state_dict (mixprec.distributed.CheckpointState)")
-                if key == "master_param" and value.dtype != torch.float32:
-                    raise ValueError(f"{where} must be float32, got {value.dtype}")
-                if key != "master_param":
-                    self._check_state_tensor(key, value, where)
-                # Keep the saved dtype (fp32 moments and masters stay fp32 under fp16 params).
-                out[key] = value.detach().to(device=p.device, memory_format=torch.contiguous_format).clone()
+            if key in self._state_rules or key == "master_param":
+                out[key] = self._loaded_state_tensor(key, value, p, where)
             elif key in self._scalar_state_keys:
+                step_count(value, where)  # refused unless finite and >= 0
                 out[key] = value.detach().to(p.device).clone() if isinstance(value, torch.Tensor) else value
             else:
-                raise ValueError(f"{where} is not state {name} knows")
-        if self.master_weights and p.dtype != torch.float32 and "master_param" not in out and out:
-            raise ValueError(f"{name}.load_state_dict: state[{pid}] has no 'master_param' but master_weights=True "
-                             f"and the parameter is {p.dtype}")
+                raise ValueError(f"{where} is not state {name} knows; expected one of "
+                                 f"{sorted(self._state_rules) + ['master_param'] + list(self._scalar_state_keys)}")
+        where = f"{name}.load_state_dict: state[{pid}]"
+        lacking = [k for k in self._required_state if k not in out]
+        if out and lacking:
+            raise ValueError(f"{where} lacks {lacking}; expected {list(self._required_state)} for every "
+                             "parameter with state")
+        tensors = {k: v for k, v in out.items() if k in self._state_rules}
+        if tensors:
+            if len({v.dtype for v in tensors.values()}) > 1:
+                got = {k: str(v.dtype) for k, v in tensors.items()}
+                raise ValueError(f"{where} mixes state dtypes {got}; expected one dtype per parameter")
+        if self.master_weights and p.dtype != torch.float32 and "master_param" not in out and tensors:
+            raise ValueError(f"{where} has no 'master_param' but master_weights=True and the parameter is {p.dtype}")
         return out
+
+    def _loaded_state_tensor(self, key: str, value: Any, p: torch.Tensor, where: str) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            raise ValueError(f"{where} is {type(value).__name__ if not isinstance(value, torch.Tensor) else value.dtype}; "
+                             "expected a floating-point tensor")
+        if value.shape != p.shape:
+            raise ValueError(f"{where} has shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}")
+        cls = dtensor_type()
+        if cls is not None and isinstance(value, cls) != isinstance(p, cls):
+            raise ValueError(f"{where} is {'a DTensor' if isinstance(value, cls) else 'a plain tensor'} but the "
+                             f"parameter is {'a DTensor' if isinstance(p, cls) else 'a plain tensor'}; load "
+                             "sharded checkpoints with torch.distributed.checkpoint.state_dict."
+                             "set_optimizer_state_dict (mixprec.distributed.CheckpointState)")
+        if key == "master_param" and value.dtype != torch.float32:
+            raise ValueError(f"{where} has dtype {value.dtype}; expected float32")
+        kept = value.dtype in self._state_dtypes or key == "master_param"
+        if not kept and not self._convert_foreign_state:
+            raise ValueError(f"{where} has dtype {value.dtype}; expected one of {[str(d) for d in self._state_dtypes]}")
+        check_state_values(value, self._state_rules.get(key, MOMENT), where)
+        # Allowed state dtypes are kept (fp32 moments stay fp32 under fp16 params; Adam's bf16
+        # moments stay bf16); others (torch's and Apex's param-dtype state) become float32.
+        dtype = value.dtype if kept else torch.float32
+        if cls is not None and isinstance(p, cls):
+            return value.detach().to(device=p.device, dtype=dtype).clone()
+        # In the parameter's layout (channels_last stays channels_last), never sharing memory
+        # with the source.
+        return torch.empty_like(p, dtype=dtype, device=p.device).copy_(value.detach())

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import _ops
 from ._base import FusedOptimizer
+from ._rules import FLAG, LR, NON_NEGATIVE, SQUARES
 
 
 class FusedAdagrad(FusedOptimizer):
@@ -23,7 +22,10 @@ class FusedAdagrad(FusedOptimizer):
     Checkpoints of torch.optim.Adagrad load too (their per-parameter step counts become the group's).
     """
 
-    _state_keys = ("sum",)
+    _hyper_rules = {"lr": LR, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "lr_decay": NON_NEGATIVE,
+                    "initial_accumulator_value": NON_NEGATIVE, "adagrad_w_mode": FLAG, "maximize": FLAG}
+    _state_rules = {"sum": SQUARES}
+    _required_state = ("sum",)
     # torch.optim.Adagrad's per-parameter count, accepted from its checkpoints (see load_state_dict).
     _scalar_state_keys = ("step",)
 
@@ -34,27 +36,11 @@ class FusedAdagrad(FusedOptimizer):
                  lr_decay=0.0, initial_accumulator_value=0.0, maximize=False, master_weights=False):
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode, lr_decay=lr_decay,
                         initial_accumulator_value=initial_accumulator_value, maximize=maximize)
-        self._check_hyper(defaults)
         super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
-
-    @staticmethod
-    def _check_hyper(h):
-        """torch.optim.Adagrad's checks, plus finiteness."""
-        lr = h["lr"]
-        if not isinstance(lr, torch.Tensor) and not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"FusedAdagrad: invalid learning rate {lr}")
-        for name in ("eps", "weight_decay", "lr_decay", "initial_accumulator_value"):
-            if not (math.isfinite(h[name]) and h[name] >= 0):
-                raise ValueError(f"FusedAdagrad: invalid {name} {h[name]}; it must be finite and >= 0")
-
-    def add_param_group(self, param_group):
-        # A group's own values are checked like the defaults, before the group is added.
-        self._check_hyper({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}})
-        super().add_param_group(param_group)
 
     def _init_state(self, p, group, state):
         state["sum"] = torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32,
-                                       memory_format=torch.contiguous_format)
+                                       memory_format=torch.preserve_format)
 
     def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
         _ops.adagrad_(
@@ -76,10 +62,3 @@ class FusedAdagrad(FusedOptimizer):
             if steps and group.get("step") is None:
                 count = max(float(s) for s in steps)
                 group["step"] = torch.full((1,), count, dtype=torch.float32, device=group["params"][0].device)
-
-    def _validated_param_state(self, pid, p, saved_state):
-        out = super()._validated_param_state(pid, p, saved_state)
-        # The op keeps sums in float32 (torch's own checkpoints hold them in the param's dtype).
-        if "sum" in out:
-            out["sum"] = out["sum"].float()
-        return out

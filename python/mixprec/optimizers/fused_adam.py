@@ -6,6 +6,7 @@ import torch
 
 from .. import _ops
 from ._base import FusedOptimizer
+from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, pair
 
 
 class FusedAdam(FusedOptimizer):
@@ -17,44 +18,36 @@ class FusedAdam(FusedOptimizer):
     moments in bfloat16 (a mixprec extension; halves their memory). ``amsgrad`` is supported
     (Apex raised). ``capturable`` is accepted for Apex compatibility: every step already runs
     without host synchronization.
+
+    Checkpoints: ``state_dict()`` keeps the step count per group (``param_groups[i]["step"]``, a
+    device tensor), not per parameter as torch.optim.Adam does, so torch.optim.Adam cannot load
+    it (its step raises KeyError 'step'); the moments themselves are torch's (same keys,
+    ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``). To move to torch, put a copy of each
+    group's ``step`` (one per param: torch adds to it in place) in ``state[i]["step"]`` and load into torch.optim.AdamW
+    (``adam_w_mode=True``) or torch.optim.Adam (False). FusedAdam loads its own checkpoints.
     """
 
-    _state_keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
+                    "amsgrad": FLAG, "adam_w_mode": FLAG, "bias_correction": FLAG, "maximize": FLAG}
+    _state_rules = {"exp_avg": MOMENT, "exp_avg_sq": SQUARES, "max_exp_avg_sq": SQUARES}
+    _required_state = ("exp_avg", "exp_avg_sq")
+    _state_dtypes = (torch.float32, torch.bfloat16)
+    _convert_foreign_state = False  # the moments' dtype is a choice (state_dtype): never changed silently
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False,
                  *, maximize=False, state_dtype=torch.float32):
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"FusedAdam: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=pair(betas), eps=eps,
                         weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode, maximize=maximize)
-        self._check_group(defaults, "defaults")
-        defaults["betas"] = tuple(betas)
         super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none,
                          capturable=capturable)
         self.state_dtype = state_dtype
 
-    def _check_group(self, group, where):
-        import math
-        import numbers
-        lr, eps, wd, betas = group["lr"], group["eps"], group["weight_decay"], group["betas"]
-        def real(x):
-            return isinstance(x, numbers.Real) and not isinstance(x, bool)
-        if not isinstance(lr, torch.Tensor) and not (real(lr) and math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"FusedAdam: {where}: invalid learning rate {lr!r}")
-        if not (real(eps) and math.isfinite(eps) and eps >= 0):
-            raise ValueError(f"FusedAdam: {where}: invalid eps {eps!r}")
-        if not (real(wd) and math.isfinite(wd) and wd >= 0):
-            raise ValueError(f"FusedAdam: {where}: invalid weight_decay {wd!r}")
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(real(b) and 0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"FusedAdam: {where}: invalid betas {betas!r}; each must be in [0, 1)")
-
-    def _check_state_tensor(self, key, value, where):
-        if value.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"{where} must be float32 or bfloat16, got {value.dtype}")
-
     def _init_state(self, p, group, state):
-        zeros = lambda: torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+        # In the parameter's layout (preserve_format): the op walks an entry's tensors in one order.
+        zeros = lambda: torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
         state["exp_avg"] = zeros()
         state["exp_avg_sq"] = zeros()
         if group["amsgrad"]:

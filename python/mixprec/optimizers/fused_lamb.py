@@ -9,6 +9,7 @@ import torch
 
 from .. import _ops
 from ._base import FusedOptimizer, _device_scalar
+from ._rules import BETAS, CLIP_NORM, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, pair
 
 
 def _clips(group: dict) -> bool:
@@ -36,27 +37,23 @@ class FusedLAMB(FusedOptimizer):
     that of the whole tensor: the shards' norms are reduced across ranks between the passes.
     """
 
-    _state_keys = ("exp_avg", "exp_avg_sq")
+    _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
+                    "max_grad_norm": CLIP_NORM, "bias_correction": FLAG, "grad_averaging": FLAG,
+                    "adam_w_mode": FLAG, "use_nvlamb": FLAG}
+    _state_rules = {"exp_avg": MOMENT, "exp_avg_sq": SQUARES}
+    _required_state = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
                  amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
                  use_nvlamb=False, *, master_weights=False):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
-            raise ValueError(f"FusedLAMB: invalid learning rate {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"FusedLAMB: invalid eps {eps}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"FusedLAMB: invalid betas {betas}; each must be in [0, 1)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"FusedLAMB: invalid weight_decay {weight_decay}")
-        if not 0.0 <= max_grad_norm:
-            raise ValueError(f"FusedLAMB: invalid max_grad_norm {max_grad_norm}; must be >= 0 (0: no clipping)")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=pair(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb)
         super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
+
+    def _reset_caches(self):
         self._grad_norms: dict[torch.device, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -101,8 +98,9 @@ class FusedLAMB(FusedOptimizer):
         return {d: total if d == first else total.to(d, non_blocking=True) for d in by_device}
 
     def _init_state(self, p, group, state):
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        # In the parameter's layout (preserve_format): the op walks an entry's tensors in one order.
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
     def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
         beta1, beta2 = group["betas"]

@@ -8,6 +8,7 @@ import torch
 
 from .. import _ops
 from ._base import FusedOptimizer
+from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, NOVOGRAD_NORM, SQUARES, check_state_values, pair
 
 # Cached device index tensors for groups where only some params have grads (see _step_group).
 _MAX_CACHED_INDICES = 64
@@ -43,7 +44,11 @@ class FusedNovoGrad(FusedOptimizer):
     second moments are the same on every rank. ``amsgrad=True`` raises, as in Apex.
     """
 
-    _state_keys = ("exp_avg",)
+    _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
+                    "norm_type": NOVOGRAD_NORM, "bias_correction": FLAG, "grad_averaging": FLAG,
+                    "init_zero": FLAG, "reg_inside_moment": FLAG}
+    _state_rules = {"exp_avg": MOMENT}
+    _required_state = ("exp_avg",)
 
     # Apex keeps reg_inside_moment on the optimizer, not in its groups.
     _keys_foreign_checkpoints_lack = ("reg_inside_moment",)
@@ -53,23 +58,17 @@ class FusedNovoGrad(FusedOptimizer):
                  set_grad_none=True, *, master_weights=False):
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
-        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
-            raise ValueError(f"FusedNovoGrad: invalid learning rate {lr}")
-        if not 0.0 <= eps < math.inf:
-            raise ValueError(f"FusedNovoGrad: invalid eps {eps}")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"FusedNovoGrad: invalid betas {betas}; each must be in [0, 1)")
-        if not 0.0 <= weight_decay < math.inf:
-            raise ValueError(f"FusedNovoGrad: invalid weight_decay {weight_decay}")
-        _op_norm_type(norm_type)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=pair(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging, norm_type=norm_type,
                         init_zero=init_zero, reg_inside_moment=reg_inside_moment)
         super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
+
+    def _reset_caches(self):
         self._index_cache: dict = {}
 
     def _init_state(self, p, group, state):
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        # In the parameter's layout (preserve_format): the op walks an entry's tensors in one order.
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
     def _group_norms(self, group, device) -> torch.Tensor:
         """The group's per-tensor second moments, created (zeros) on first use."""
@@ -128,7 +127,8 @@ class FusedNovoGrad(FusedOptimizer):
         if isinstance(groups, (list, tuple)) and len(groups) == len(self.param_groups):
             norms = [self._loaded_norms(gi, saved, group) for gi, (saved, group) in enumerate(zip(groups, self.param_groups))]
         old_groups = self.param_groups
-        super().load_state_dict(state_dict)  # validates the rest before changing anything
+        # Validates the rest before changing anything; Apex's fp16 first moments become float32.
+        super().load_state_dict(state_dict)
         for gi, (group, old) in enumerate(zip(self.param_groups, old_groups)):
             # Apex keeps reg_inside_moment on the optimizer, not in the group: keep ours.
             for key, value in old.items():
@@ -137,10 +137,6 @@ class FusedNovoGrad(FusedOptimizer):
             group.pop("exp_avg_sq", None)
             if norms is not None and norms[gi] is not None:
                 group["exp_avg_sq"] = norms[gi]
-        for state in self.state.values():
-            # Apex stored fp16 params' first moments in fp16; the op keeps them in float32.
-            if "exp_avg" in state and state["exp_avg"].dtype != torch.float32:
-                state["exp_avg"] = state["exp_avg"].float()
 
     @staticmethod
     def _loaded_norms(gi: int, saved, group: dict):
@@ -172,4 +168,5 @@ class FusedNovoGrad(FusedOptimizer):
             raise ValueError(f"{where} must be a floating-point tensor")
         if value.dim() != 1 or value.numel() != len(params):
             raise ValueError(f"{where} has shape {tuple(value.shape)}; expected [{len(params)}] (one per param)")
+        check_state_values(value, SQUARES, where)  # norms: finite and >= 0
         return value.detach().to(device=device, dtype=torch.float32).contiguous().clone()

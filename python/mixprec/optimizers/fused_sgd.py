@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.optim.optimizer import required
 
 from .. import _ops
 from ._base import FusedOptimizer
+from ._rules import FINITE, FLAG, LR, MOMENT, NON_NEGATIVE, GroupRule
 
 
 class FusedSGD(FusedOptimizer):
@@ -23,7 +22,12 @@ class FusedSGD(FusedOptimizer):
     ever made. ``maximize`` is torch.optim.SGD's. Checkpoints of torch.optim.SGD load too.
     """
 
-    _state_keys = ("momentum_buffer",)
+    _hyper_rules = {"lr": LR, "momentum": NON_NEGATIVE, "dampening": FINITE, "weight_decay": NON_NEGATIVE,
+                    "nesterov": FLAG, "wd_after_momentum": FLAG, "maximize": FLAG}
+    # torch.optim.SGD's rule for Nesterov.
+    _group_rules = (GroupRule(("nesterov", "momentum", "dampening"), lambda n, m, d: not n or (m > 0 and d == 0),
+                              "nesterov=True to come with momentum > 0 and dampening == 0"),)
+    _state_rules = {"momentum_buffer": MOMENT}
 
     # torch.optim.SGD's checkpoints lack Apex's options (filled in by load_state_dict).
     _keys_foreign_checkpoints_lack = ("wd_after_momentum", "materialize_master_grads")
@@ -33,29 +37,8 @@ class FusedSGD(FusedOptimizer):
                  master_weights=False, maximize=False):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, wd_after_momentum=wd_after_momentum, maximize=maximize)
-        self._check_hyper(defaults)
         super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
         self.materialize_master_grads = bool(materialize_master_grads)
-
-    @staticmethod
-    def _check_hyper(h):
-        """torch.optim.SGD's checks, plus finiteness (the op rejects inf and NaN anyway, but only
-        at the first step)."""
-        lr = h["lr"]
-        if lr is not required and not isinstance(lr, torch.Tensor) and not (math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"FusedSGD: invalid learning rate {lr}")
-        for name in ("momentum", "weight_decay"):
-            if not (math.isfinite(h[name]) and h[name] >= 0):
-                raise ValueError(f"FusedSGD: invalid {name} {h[name]}; it must be finite and >= 0")
-        if not math.isfinite(h["dampening"]):
-            raise ValueError(f"FusedSGD: invalid dampening {h['dampening']}")
-        if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
-            raise ValueError("FusedSGD: Nesterov momentum requires a momentum and zero dampening")
-
-    def add_param_group(self, param_group):
-        # A group's own values are checked like the defaults, before the group is added.
-        self._check_hyper({**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}})
-        super().add_param_group(param_group)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -75,7 +58,7 @@ class FusedSGD(FusedOptimizer):
                 state = self.state[p]
                 if state.get("momentum_buffer") is None:
                     state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
-                                                                memory_format=torch.contiguous_format)
+                                                                memory_format=torch.preserve_format)
                     fresh.append(p)
 
         def run(ps, **step_args):
@@ -124,8 +107,6 @@ class FusedSGD(FusedOptimizer):
         # torch.optim.SGD saves momentum_buffer=None without momentum: load it as "no buffer yet".
         if isinstance(saved_state, dict) and saved_state.get("momentum_buffer", 0) is None:
             saved_state = {k: v for k, v in saved_state.items() if k != "momentum_buffer"}
-        out = super()._validated_param_state(pid, p, saved_state)
-        # The op keeps buffers in float32 (torch's own checkpoints hold them in the param's dtype).
-        if "momentum_buffer" in out:
-            out["momentum_buffer"] = out["momentum_buffer"].float()
-        return out
+        # The op keeps buffers in float32 (torch's own checkpoints hold them in the param's dtype):
+        # the base converts them (_state_dtypes).
+        return super()._validated_param_state(pid, p, saved_state)
