@@ -21,7 +21,8 @@ struct AdagradOp {
     constexpr int N = vec_elems<TP, TG, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kAdagradParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kAdagradGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kAdagradGrad);
+    const bool store_grad = stores_unscaled_grads(p.scalars);
     float* sum = chunk_ptr<float>(table, ctx, kAdagradStateSum);
     float* master = chunk_ptr<float>(table, ctx, kAdagradMaster);
     const int n = ctx.n;
@@ -43,6 +44,7 @@ struct AdagradOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
+        if (store_grad) store<TG, N>(grad, i, n, vec, g[u]);
         store<TP, N>(param, i, n, vec, w[u]);
         if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
         store<float, N>(sum, i, n, vec, h[u]);

@@ -22,7 +22,8 @@ struct AdamOp {
     constexpr int N = vec_elems<TP, TG, TS, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kAdamParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kAdamGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kAdamGrad);
+    const bool store_grad = stores_unscaled_grads(p.scalars);
     TS* exp_avg = chunk_ptr<TS>(table, ctx, kAdamExpAvg);
     TS* exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamExpAvgSq);
     TS* max_exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamMaxExpAvgSq);
@@ -48,6 +49,7 @@ struct AdamOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
+        if (store_grad) store_packed<TG, N>(grad, i, n, vec, g[u]);
         store_packed<TP, N>(param, i, n, vec, w[u]);
         if (p.has_master) store_packed<float, N>(master, i, n, vec, w[u]);
         store_packed<TS, N>(exp_avg, i, n, vec, m[u]);

@@ -29,7 +29,8 @@ struct LambMomentsOp {
     constexpr int N = LambShape<TP, TG>::N;
     constexpr int Ilp = LambShape<TP, TG>::Ilp;
     TP* param = chunk_ptr<TP>(table, ctx, kLambParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
+    const bool store_grad = stores_unscaled_grads(p.scalars);
     float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
     float* master = chunk_ptr<float>(table, ctx, kLambMaster);
@@ -64,6 +65,7 @@ struct LambMomentsOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
+        if (store_grad) store<TG, N>(grad, i, n, vec, g[u]);
         store<float, N>(exp_avg, i, n, vec, m[u]);
         store<float, N>(exp_avg_sq, i, n, vec, v[u]);
         if constexpr (Apply) {

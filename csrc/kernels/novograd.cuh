@@ -42,7 +42,8 @@ struct NovoGradOp {
     constexpr int N = vec_elems<TP, TG, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kNovoGradParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kNovoGradGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kNovoGradGrad);
+    const bool store_grad = stores_unscaled_grads(p.scalars);
     float* exp_avg = chunk_ptr<float>(table, ctx, kNovoGradExpAvg);
     float* master = chunk_ptr<float>(table, ctx, kNovoGradMaster);
     const int n = ctx.n;
@@ -64,6 +65,7 @@ struct NovoGradOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
+        if (store_grad) store<TG, N>(grad, i, n, vec, g[u]);
         store<TP, N>(param, i, n, vec, w[u]);
         if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
         store<float, N>(exp_avg, i, n, vec, m[u]);

@@ -22,7 +22,8 @@ struct SgdOp {
     constexpr int N = vec_elems<TP, TG, float>();
     constexpr int Ilp = N >= 8 ? 2 : 3;
     TP* param = chunk_ptr<TP>(table, ctx, kSgdParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kSgdGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kSgdGrad);
+    const bool store_grad = stores_unscaled_grads(p.scalars);
     float* momentum = chunk_ptr<float>(table, ctx, kSgdMomentum);
     float* master = chunk_ptr<float>(table, ctx, kSgdMaster);
     // The first step overwrites the buffer without reading it (torch.optim.SGD's semantics), so it
@@ -50,6 +51,7 @@ struct SgdOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
+        if (store_grad) store<TG, N>(grad, i, n, vec, g[u]);
         store<TP, N>(param, i, n, vec, w[u]);
         if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
         if (c.use_momentum) store<float, N>(momentum, i, n, vec, m[u]);
