@@ -85,6 +85,20 @@ TORCH_LIBRARY(mixprec, m) {
   // normalized size past 12288, use torch's LayerNorm.
   m.def("layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor");
 
+  // ---- RMSNorm over the last dimensions (kernels/rms_norm.*) -----------------------------------
+  // input [..., *normalized_shape] contiguous fp32/fp16/bf16, weight shaped normalized_shape of its
+  // dtype or float32, or None -> (out like input, rstd fp32 shaped input's leading dimensions),
+  // rstd = 1 / sqrt(mean(x^2) + eps).
+  m.def("rms_norm_forward(Tensor input, int[] normalized_shape, Tensor? weight, float eps) -> (Tensor, Tensor)");
+  // From the forward's rstd: (grad_input, grad_weight in the weight's dtype), each computed only
+  // where output_mask says (undefined otherwise); the weight gradient is a deterministic fp32 sum.
+  m.def(
+      "rms_norm_backward(Tensor grad_out, Tensor input, int[] normalized_shape, Tensor rstd, Tensor? weight, "
+      "bool[2] output_mask) -> (Tensor, Tensor)");
+  // torch.nn.functional.rms_norm on those two ops, differentiable (eps None: the input dtype's
+  // epsilon); float64, and on CUDA a normalized size past 24576, use torch's rms_norm.
+  m.def("rms_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
+
   // ---- fused optimizers (kernels/<family>.*) -------------------------------------------------
   // Shared by every family: params (any float dtype) are updated in place; with master_params
   // (fp32, one per param) the master is the weight and params receive its rounding, in the same
