@@ -4,11 +4,12 @@
 
 #include "kernels/adagrad.h"
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 
 namespace mixprec::kernels {
 
 // TP: model param storage, TG: grad storage; the sum and the master are float32.
-template <typename TP, typename TG>
+template <typename TP, typename TG, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct AdagradOp {
   AdagradParams p;
 
@@ -22,7 +23,6 @@ struct AdagradOp {
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kAdagradParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kAdagradGrad);
-    const bool store_grad = stores_unscaled_grads(p.scalars);
     float* sum = chunk_ptr<float>(table, ctx, kAdagradStateSum);
     float* master = chunk_ptr<float>(table, ctx, kAdagradMaster);
     const int n = ctx.n;
@@ -37,6 +37,7 @@ struct AdagradOp {
         else load<TP, N>(param, i, n, vec, w[u]);
         load<float, N>(sum, i, n, vec, h[u]);
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
 #pragma unroll
@@ -44,7 +45,6 @@ struct AdagradOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        if (store_grad) store<TG, N>(grad, i, n, vec, g[u]);
         store<TP, N>(param, i, n, vec, w[u]);
         if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
         store<float, N>(sum, i, n, vec, h[u]);

@@ -4,11 +4,13 @@
 
 #include "kernels/adam.h"
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 
 namespace mixprec::kernels {
 
-// TP: model param storage, TG: grad storage, TS: moment storage (float or bf16).
-template <typename TP, typename TG, typename TS>
+// TP: model param storage, TG: grad storage, TS: moment storage (float or bf16); kStoreGrad:
+// stores_unscaled_grads (an instance of its own, so steps without a grad_scale keep their registers).
+template <typename TP, typename TG, typename TS, bool kStoreGrad>
 struct AdamOp {
   static constexpr bool kPersistent = false;  // see multi_tensor_kernel: a chunk loop would spill
   AdamParams p;
@@ -23,7 +25,6 @@ struct AdamOp {
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kAdamParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kAdamGrad);
-    const bool store_grad = stores_unscaled_grads(p.scalars);
     TS* exp_avg = chunk_ptr<TS>(table, ctx, kAdamExpAvg);
     TS* exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamExpAvgSq);
     TS* max_exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamMaxExpAvgSq);
@@ -42,6 +43,7 @@ struct AdamOp {
         load_packed<TS, N>(exp_avg_sq, i, n, vec, v[u]);
         if (p.amsgrad) load_packed<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<true>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
 #pragma unroll
@@ -49,7 +51,6 @@ struct AdamOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        if (store_grad) store_packed<TG, N>(grad, i, n, vec, g[u]);
         store_packed<TP, N>(param, i, n, vec, w[u]);
         if (p.has_master) store_packed<float, N>(master, i, n, vec, w[u]);
         store_packed<TS, N>(exp_avg, i, n, vec, m[u]);

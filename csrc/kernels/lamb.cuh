@@ -4,6 +4,7 @@
 
 #include "kernels/lamb.h"
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 
 namespace mixprec::kernels {
 
@@ -19,7 +20,7 @@ struct LambShape {
 // Pass 1. TP: model param storage, TG: grad storage; moments and masters are float32. Apply:
 // the one-pass step (no trust ratio), a template argument so that each variant keeps only the
 // registers it needs (the two-pass one neither writes weights nor needs lr).
-template <typename TP, typename TG, bool Apply>
+template <typename TP, typename TG, bool Apply, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct LambMomentsOp {
   LambParams p;
 
@@ -30,7 +31,6 @@ struct LambMomentsOp {
     constexpr int Ilp = LambShape<TP, TG>::Ilp;
     TP* param = chunk_ptr<TP>(table, ctx, kLambParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
-    const bool store_grad = stores_unscaled_grads(p.scalars);
     float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
     float* master = chunk_ptr<float>(table, ctx, kLambMaster);
@@ -48,6 +48,7 @@ struct LambMomentsOp {
         load<float, N>(exp_avg, i, n, vec, m[u]);
         load<float, N>(exp_avg_sq, i, n, vec, v[u]);
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
@@ -65,7 +66,6 @@ struct LambMomentsOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        if (store_grad) store<TG, N>(grad, i, n, vec, g[u]);
         store<float, N>(exp_avg, i, n, vec, m[u]);
         store<float, N>(exp_avg_sq, i, n, vec, v[u]);
         if constexpr (Apply) {

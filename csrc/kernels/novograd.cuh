@@ -4,6 +4,7 @@
 #pragma once
 
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 #include "kernels/novograd.h"
 
 namespace mixprec::kernels {
@@ -21,7 +22,7 @@ __global__ void __launch_bounds__(kNovoGradMomentThreads) novograd_moment_kernel
 }
 
 // TP: model param storage, TG: grad storage; the first moment and the master are float32.
-template <typename TP, typename TG>
+template <typename TP, typename TG, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct NovoGradOp {
   NovoGradParams p;
 
@@ -43,7 +44,6 @@ struct NovoGradOp {
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kNovoGradParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kNovoGradGrad);
-    const bool store_grad = stores_unscaled_grads(p.scalars);
     float* exp_avg = chunk_ptr<float>(table, ctx, kNovoGradExpAvg);
     float* master = chunk_ptr<float>(table, ctx, kNovoGradMaster);
     const int n = ctx.n;
@@ -58,6 +58,7 @@ struct NovoGradOp {
         else load<TP, N>(param, i, n, vec, w[u]);
         load<float, N>(exp_avg, i, n, vec, m[u]);
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
 #pragma unroll
@@ -65,7 +66,6 @@ struct NovoGradOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        if (store_grad) store<TG, N>(grad, i, n, vec, g[u]);
         store<TP, N>(param, i, n, vec, w[u]);
         if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
         store<float, N>(exp_avg, i, n, vec, m[u]);

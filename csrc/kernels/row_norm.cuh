@@ -89,6 +89,27 @@ __device__ __forceinline__ void load_row_words(const T* row, int lane, int n, bo
   }
 }
 
+// Stride k of a lane's part of a backward row: xhat = (x - mean) * rstd (mean 0 for RMSNorm, which
+// leaves x exact) and g = dy * w (dy where w is null) per element, dy kept: the one definition
+// both passes of both norms evaluate. TW: the weight's storage (T's, or float for RMSNorm).
+template <typename T, typename TW, int kStrides, int kWords>
+__device__ __forceinline__ void backward_terms(const uint4 (&x_words)[kWords], const uint4 (&dy_words)[kWords],
+                                               const T* x, const T* dy, const TW* w, int k, int lane, int n,
+                                               bool vec_ok, float mean, float rstd, float (&xhat)[row_vector<T>()],
+                                               float (&dv)[row_vector<T>()], float (&g)[row_vector<T>()]) {
+  constexpr int V = row_vector<T>();
+  const int c = lane * V + k * 32 * V;
+  float wv[V];
+  row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xhat);
+  row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
+  if (w != nullptr) load<TW, V>(w, c, n, vec_ok, wv);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    xhat[j] = (xhat[j] - mean) * rstd;
+    g[j] = w != nullptr ? dv[j] * wv[j] : dv[j];
+  }
+}
+
 // The kernel instance for a row of `strides` strides: kernel_of(std::integral_constant<int, k>)
 // for k = strides from kMaxRegisterStrides down to 1, k = 0 (the any-width form) past them.
 template <int kStrides = kMaxRegisterStrides, typename KernelOf>

@@ -111,20 +111,15 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) lay
     float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
     for (int k = 0; k < strides; ++k) {
-      const int c = lane * V + k * 32 * V;
-      float xv[V], dv[V], wv[V];
-      row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xv);
-      row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
-      if (w != nullptr) load<T, V>(w, c, n, vec_ok, wv);
+      float xhat[V], dv[V], g[V];
+      backward_terms<T, T, kStrides>(x_words, dy_words, x, dy, w, k, lane, n, vec_ok, mean, rstd, xhat, dv, g);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const float xhat = (xv[j] - mean) * rstd;
-        const float g = w != nullptr ? dv[j] * wv[j] : dv[j];
-        sum_g += g;
-        sum_gx += g * xhat;
+        sum_g += g[j];
+        sum_gx += g[j] * xhat[j];
         if (params) {
           const int s = shared_slot<T>(k, j, lane);
-          acc_w[s] += dv[j] * xhat;
+          acc_w[s] += dv[j] * xhat[j];
           acc_b[s] += dv[j];
         }
       }
@@ -135,18 +130,11 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) lay
     T* dx = static_cast<T*>(p.grad_input) + row * p.cols;
 #pragma unroll
     for (int k = 0; k < strides; ++k) {
-      const int c = lane * V + k * 32 * V;
-      float xv[V], dv[V], wv[V];
-      row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xv);
-      row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
-      if (w != nullptr) load<T, V>(w, c, n, vec_ok, wv);
+      float xhat[V], dv[V], g[V];
+      backward_terms<T, T, kStrides>(x_words, dy_words, x, dy, w, k, lane, n, vec_ok, mean, rstd, xhat, dv, g);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float xhat = (xv[j] - mean) * rstd;
-        const float g = w != nullptr ? dv[j] * wv[j] : dv[j];
-        xv[j] = rstd * (g - mean_g - xhat * mean_gx);
-      }
-      store<T, V>(dx, c, n, vec_ok, xv);
+      for (int j = 0; j < V; ++j) xhat[j] = rstd * (g[j] - mean_g - xhat[j] * mean_gx);
+      store<T, V>(dx, lane * V + k * 32 * V, n, vec_ok, xhat);
     }
   }
   if (params) write_block_partials<T, kSets>(shared_rows, warps, padded, n, p.splits, p.partials);

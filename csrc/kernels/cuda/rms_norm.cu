@@ -86,17 +86,12 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM)
     float sum_gx = 0.f;
 #pragma unroll
     for (int k = 0; k < strides; ++k) {
-      const int c = lane * V + k * 32 * V;
-      float xv[V], dv[V], wv[V];
-      row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xv);
-      row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
-      if (w != nullptr) load<TW, V>(w, c, n, vec_ok, wv);
+      float xhat[V], dv[V], g[V];
+      backward_terms<T, TW, kStrides>(x_words, dy_words, x, dy, w, k, lane, n, vec_ok, 0.f, rstd, xhat, dv, g);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const float xhat = xv[j] * rstd;
-        const float g = w != nullptr ? dv[j] * wv[j] : dv[j];
-        sum_gx += g * xhat;
-        if (params) acc_w[shared_slot<T>(k, j, lane)] += dv[j] * xhat;
+        sum_gx += g[j] * xhat[j];
+        if (params) acc_w[shared_slot<T>(k, j, lane)] += dv[j] * xhat[j];
       }
     }
     if (p.grad_input == nullptr) continue;
@@ -104,18 +99,11 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM)
     T* dx = static_cast<T*>(p.grad_input) + row * p.cols;
 #pragma unroll
     for (int k = 0; k < strides; ++k) {
-      const int c = lane * V + k * 32 * V;
-      float xv[V], dv[V], wv[V];
-      row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xv);
-      row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
-      if (w != nullptr) load<TW, V>(w, c, n, vec_ok, wv);
+      float xhat[V], dv[V], g[V];
+      backward_terms<T, TW, kStrides>(x_words, dy_words, x, dy, w, k, lane, n, vec_ok, 0.f, rstd, xhat, dv, g);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float xhat = xv[j] * rstd;
-        const float g = w != nullptr ? dv[j] * wv[j] : dv[j];
-        xv[j] = rstd * (g - xhat * mean_gx);
-      }
-      store<T, V>(dx, c, n, vec_ok, xv);
+      for (int j = 0; j < V; ++j) xhat[j] = rstd * (g[j] - xhat[j] * mean_gx);
+      store<T, V>(dx, lane * V + k * 32 * V, n, vec_ok, xhat);
     }
   }
   if (params) write_block_partials<T, kSets>(shared_rows, warps, padded, n, p.splits, p.partials);
