@@ -7,9 +7,10 @@ parameter, achieved TB/s and share of a device copy measured in the same run.
 
 Bytes per parameter count each operand read once and each result written once (DESIGN.md):
 AdamW fp32 = grad 4 + param r/w 8 + moments r/w 16 = 28; the loss-scaled step adds the
-non-finite check's read of the grads (4) = 32; the O2 step = fp16 grad 2 + fp32 master r/w 8 +
-moments 16 + fp16 model copy written 2 = 28 (30 with the check). Every mixprec variant is
-checked against torch once before it is timed.
+non-finite check's read of the grads (4) and the step's write of the unscaled grads (4: torch's
+fused-optimizer contract, kernels/optim_common.h) = 36; the O2 step = fp16 grad 2 + fp32 master
+r/w 8 + moments 16 + fp16 model copy written 2 = 28 (32 loss-scaled: check 2, grad write 2).
+Every mixprec variant is checked against torch once before it is timed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ import common  # noqa: E402
 import mixprec  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-4, (0.9, 0.999), 1e-8, 0.01
+# Bytes per param of the loss-scaled steps: the plain step, the non-finite check's read of the
+# grads, and the kernel's write of the unscaled grads (grad_scale given).
+FP32_BYTES, O2_BYTES = 28, 28
+SCALED_FP32_BYTES = FP32_BYTES + 4 + 4
+SCALED_O2_BYTES = O2_BYTES + 2 + 2
 
 
 def make_tensors(shapes, dtype, device, gen, scale=1.0):
@@ -71,7 +77,9 @@ def adam_cases(shapes, device, gen) -> list[Case]:
     exp_avg = [torch.zeros_like(p) for p in params]
     exp_avg_sq = [torch.zeros_like(p) for p in params]
     step_tensor = torch.zeros(1, device=device)
-    scale = torch.full((1,), 2.0**16, device=device)
+    # The scaled step writes grads / scale back into the grads (as torch's does), so repeated steps
+    # over the same grads would shrink them to zero; a scale of 1 keeps the data and the work fixed.
+    scale = torch.full((1,), 1.0, device=device)
     growth = torch.zeros(1, dtype=torch.int32, device=device)
     found_inf = torch.zeros(1, device=device)
 
@@ -88,14 +96,15 @@ def adam_cases(shapes, device, gen) -> list[Case]:
                       weight_decay=WD, step_tensor=step_tensor, grad_scale=scale, found_inf=found_inf)
         mixprec.update_scale_(scale, growth, found_inf, 2.0, 0.5, 2000)
 
-    cases.append(Case("mixprec adam_ fp32", mixprec_adam, 28, "adamw fp32"))
-    cases.append(Case("mixprec check + adam_ + update_scale_ fp32", mixprec_scaled_step, 32, "adamw fp32 loss-scaled"))
+    cases.append(Case("mixprec adam_ fp32", mixprec_adam, FP32_BYTES, "adamw fp32"))
+    cases.append(Case("mixprec check + adam_ + update_scale_ fp32", mixprec_scaled_step, SCALED_FP32_BYTES,
+                      "adamw fp32 loss-scaled"))
 
     tparams = [p.clone().requires_grad_() for p in params]
     for t, g in zip(tparams, grads):
         t.grad = g.clone()
     fused = torch.optim.AdamW(tparams, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    cases.append(Case("torch AdamW fused=True", fused.step, 28, "adamw fp32", peer=True))
+    cases.append(Case("torch AdamW fused=True", fused.step, FP32_BYTES, "adamw fp32", peer=True))
 
     sparams = [p.clone().requires_grad_() for p in params]
     for t, g in zip(sparams, grads):
@@ -110,16 +119,16 @@ def adam_cases(shapes, device, gen) -> list[Case]:
         scaler.step(scaled_opt)
         scaler.update()
 
-    # torch's scaler rewrites the grads in its check (val * 1.0): 4 more bytes than it must move,
-    # counted at the 32 it must move like mixprec's, so the shares compare the same work.
-    cases.append(Case("torch GradScaler.step+update, AdamW fused", torch_scaled_step, 32, "adamw fp32 loss-scaled",
-                      peer=True))
+    # torch's scaler also rewrites the grads in its check (val * 1.0): 4 more bytes than it must
+    # move, counted at the 36 it must move like mixprec's, so the shares compare the same work.
+    cases.append(Case("torch GradScaler.step+update, AdamW fused", torch_scaled_step, SCALED_FP32_BYTES,
+                      "adamw fp32 loss-scaled", peer=True))
 
     fparams = [p.clone().requires_grad_() for p in params]
     for t, g in zip(fparams, grads):
         t.grad = g.clone()
     foreach = torch.optim.AdamW(fparams, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=True)
-    cases.append(Case("torch AdamW foreach=True", foreach.step, 28, "adamw fp32", peer=True))
+    cases.append(Case("torch AdamW foreach=True", foreach.step, FP32_BYTES, "adamw fp32", peer=True))
     return cases
 
 
@@ -131,7 +140,7 @@ def o2_cases(shapes, device, gen) -> list[Case]:
     exp_avg = [torch.zeros_like(p) for p in master]
     exp_avg_sq = [torch.zeros_like(p) for p in master]
     step_tensor = torch.zeros(1, device=device)
-    scale = torch.full((1,), 2.0**16, device=device)
+    scale = torch.full((1,), 1.0, device=device)  # 1: the written-back grads stay what they were
     growth = torch.zeros(1, dtype=torch.int32, device=device)
     found_inf = torch.zeros(1, device=device)
 
@@ -176,9 +185,9 @@ def o2_cases(shapes, device, gen) -> list[Case]:
         torch._foreach_copy_(t_model, [t.detach() for t in t_master])
 
     return [
-        Case("mixprec adam_ O2 (fp16 model, fp32 master)", mixprec_o2, 28, "adamw O2"),
-        Case("mixprec check + adam_ + update_scale_ O2", mixprec_o2_scaled, 30, "adamw O2"),
-        Case("torch: grad copy + AdamW fused on masters + model copy", torch_o2, 28, "adamw O2", peer=True),
+        Case("mixprec adam_ O2 (fp16 model, fp32 master)", mixprec_o2, O2_BYTES, "adamw O2"),
+        Case("mixprec check + adam_ + update_scale_ O2", mixprec_o2_scaled, SCALED_O2_BYTES, "adamw O2"),
+        Case("torch: grad copy + AdamW fused on masters + model copy", torch_o2, O2_BYTES, "adamw O2", peer=True),
     ]
 
 

@@ -4,11 +4,12 @@
 
 #include "kernels/adagrad.h"
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 
 namespace mixprec::kernels {
 
 // TP: model param storage, TG: grad storage; the sum and the master are float32.
-template <typename TP, typename TG>
+template <typename TP, typename TG, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct AdagradOp {
   AdagradParams p;
 
@@ -21,7 +22,7 @@ struct AdagradOp {
     constexpr int N = vec_elems<TP, TG, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kAdagradParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kAdagradGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kAdagradGrad);
     float* sum = chunk_ptr<float>(table, ctx, kAdagradStateSum);
     float* master = chunk_ptr<float>(table, ctx, kAdagradMaster);
     const int n = ctx.n;
@@ -36,6 +37,7 @@ struct AdagradOp {
         else load<TP, N>(param, i, n, vec, w[u]);
         load<float, N>(sum, i, n, vec, h[u]);
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
 #pragma unroll

@@ -46,10 +46,11 @@ MIXPREC_HOST_DEVICE inline AdagradCoefficients adagrad_coefficients(const Adagra
 }
 
 // torch.optim.Adagrad's order of operations (sum += g*g; w -= clr * g / (sqrt(sum) + eps)), and
-// Apex's decoupled form w -= clr * (g / (sqrt(sum) + eps) + wd * w). `w` is the fp32 weight.
-MIXPREC_HOST_DEVICE inline void adagrad_update(const AdagradCoefficients& c, float g, float& w, float& sum) {
-  g *= c.inv_scale;
-  if (c.maximize) g = -g;
+// Apex's decoupled form w -= clr * (g / (sqrt(sum) + eps) + wd * w). `w` is the fp32 weight;
+// `grad` comes in as stored and leaves unscaled (what stores_unscaled_grads writes back).
+MIXPREC_HOST_DEVICE inline void adagrad_update(const AdagradCoefficients& c, float& grad, float& w, float& sum) {
+  grad *= c.inv_scale;
+  float g = c.maximize ? -grad : grad;
   const bool decay = c.weight_decay != 0.f;
   if (decay && !c.adagrad_w_mode) g += c.weight_decay * w;
   sum += g * g;

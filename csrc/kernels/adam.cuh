@@ -4,11 +4,13 @@
 
 #include "kernels/adam.h"
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 
 namespace mixprec::kernels {
 
-// TP: model param storage, TG: grad storage, TS: moment storage (float or bf16).
-template <typename TP, typename TG, typename TS>
+// TP: model param storage, TG: grad storage, TS: moment storage (float or bf16); kStoreGrad:
+// stores_unscaled_grads (an instance of its own, so steps without a grad_scale keep their registers).
+template <typename TP, typename TG, typename TS, bool kStoreGrad>
 struct AdamOp {
   static constexpr bool kPersistent = false;  // see multi_tensor_kernel: a chunk loop would spill
   AdamParams p;
@@ -22,7 +24,7 @@ struct AdamOp {
     constexpr int N = vec_elems<TP, TG, TS, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kAdamParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kAdamGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kAdamGrad);
     TS* exp_avg = chunk_ptr<TS>(table, ctx, kAdamExpAvg);
     TS* exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamExpAvgSq);
     TS* max_exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamMaxExpAvgSq);
@@ -41,6 +43,7 @@ struct AdamOp {
         load_packed<TS, N>(exp_avg_sq, i, n, vec, v[u]);
         if (p.amsgrad) load_packed<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<true>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
 #pragma unroll

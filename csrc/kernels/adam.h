@@ -63,11 +63,12 @@ MIXPREC_HOST_DEVICE inline AdamCoefficients adam_coefficients(const AdamParams& 
   return c;
 }
 
-// Same order of operations as torch's fused Adam, so fp32 trajectories agree to rounding.
-MIXPREC_HOST_DEVICE inline void adam_update(const AdamCoefficients& c, float g, float& w, float& m, float& v,
+// Same order of operations as torch's fused Adam, so fp32 trajectories agree to rounding. `grad`
+// comes in as stored and leaves unscaled (what stores_unscaled_grads writes back).
+MIXPREC_HOST_DEVICE inline void adam_update(const AdamCoefficients& c, float& grad, float& w, float& m, float& v,
                                             float& v_max) {
-  g *= c.inv_scale;
-  if (c.maximize) g = -g;
+  grad *= c.inv_scale;
+  float g = c.maximize ? -grad : grad;
   if (c.weight_decay != 0.f) {
     if (c.adam_w_mode) w -= c.lr * c.weight_decay * w;
     else g += c.weight_decay * w;

@@ -4,6 +4,7 @@
 
 #include "kernels/lamb.h"
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 
 namespace mixprec::kernels {
 
@@ -19,7 +20,7 @@ struct LambShape {
 // Pass 1. TP: model param storage, TG: grad storage; moments and masters are float32. Apply:
 // the one-pass step (no trust ratio), a template argument so that each variant keeps only the
 // registers it needs (the two-pass one neither writes weights nor needs lr).
-template <typename TP, typename TG, bool Apply>
+template <typename TP, typename TG, bool Apply, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct LambMomentsOp {
   LambParams p;
 
@@ -29,7 +30,7 @@ struct LambMomentsOp {
     constexpr int N = LambShape<TP, TG>::N;
     constexpr int Ilp = LambShape<TP, TG>::Ilp;
     TP* param = chunk_ptr<TP>(table, ctx, kLambParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
     float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
     float* master = chunk_ptr<float>(table, ctx, kLambMaster);
@@ -47,6 +48,7 @@ struct LambMomentsOp {
         load<float, N>(exp_avg, i, n, vec, m[u]);
         load<float, N>(exp_avg_sq, i, n, vec, v[u]);
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;

@@ -67,7 +67,7 @@ void lamb_apply_cuda(const LambParams& p, Stream stream);
 
 struct LambCoefficients {
   float lr, beta1, beta2, beta3, one_minus_beta2, eps, weight_decay, inv_bias_correction1, inv_bias_correction2,
-      grad_factor;
+      grad_factor, inv_scale;
   bool adam_w_mode;
 };
 
@@ -92,6 +92,7 @@ MIXPREC_HOST_DEVICE inline LambCoefficients lamb_coefficients(const LambParams& 
     if (norm > p.max_grad_norm) clip = norm / p.max_grad_norm;
   }
   c.grad_factor = inv_scale / clip;
+  c.inv_scale = inv_scale;
   c.adam_w_mode = p.adam_w_mode;
   return c;
 }
@@ -103,9 +104,12 @@ MIXPREC_HOST_DEVICE inline float lamb_direction(const LambCoefficients& c, float
   return c.adam_w_mode ? u + c.weight_decay * w : u;
 }
 
-// Pass 1 per element: moments updated in place; returns u.
-MIXPREC_HOST_DEVICE inline float lamb_moments(const LambCoefficients& c, float g, float w, float& m, float& v) {
-  g *= c.grad_factor;
+// Pass 1 per element: moments updated in place; returns u. `grad` comes in as stored and leaves
+// unscaled but not clipped (what stores_unscaled_grads writes back: the gradient a GradScaler's
+// unscale_ would leave, whatever max_grad_norm does to the update).
+MIXPREC_HOST_DEVICE inline float lamb_moments(const LambCoefficients& c, float& grad, float w, float& m, float& v) {
+  float g = grad * c.grad_factor;
+  grad *= c.inv_scale;
   if (!c.adam_w_mode) g += c.weight_decay * w;  // L2 on the clipped gradient, as Apex does
   m = c.beta1 * m + c.beta3 * g;
   v = c.beta2 * v + c.one_minus_beta2 * g * g;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 #include "kernels/novograd.h"
 
 namespace mixprec::kernels {
@@ -21,7 +22,7 @@ __global__ void __launch_bounds__(kNovoGradMomentThreads) novograd_moment_kernel
 }
 
 // TP: model param storage, TG: grad storage; the first moment and the master are float32.
-template <typename TP, typename TG>
+template <typename TP, typename TG, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct NovoGradOp {
   NovoGradParams p;
 
@@ -42,7 +43,7 @@ struct NovoGradOp {
     constexpr int N = vec_elems<TP, TG, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
     TP* param = chunk_ptr<TP>(table, ctx, kNovoGradParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kNovoGradGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kNovoGradGrad);
     float* exp_avg = chunk_ptr<float>(table, ctx, kNovoGradExpAvg);
     float* master = chunk_ptr<float>(table, ctx, kNovoGradMaster);
     const int n = ctx.n;
@@ -57,6 +58,7 @@ struct NovoGradOp {
         else load<TP, N>(param, i, n, vec, w[u]);
         load<float, N>(exp_avg, i, n, vec, m[u]);
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
 #pragma unroll

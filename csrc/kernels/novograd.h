@@ -120,11 +120,13 @@ MIXPREC_HOST_DEVICE inline float novograd_denom(const NovoGradCoefficients& c, f
   return v / c.bias_correction2 + c.eps;
 }
 
-// The per-element update, in Apex's order of operations. `w` is the fp32 weight.
+// The per-element update, in Apex's order of operations. `w` is the fp32 weight; `grad` comes in
+// as stored and leaves unscaled (what stores_unscaled_grads writes back).
 template <bool RegInsideMoment>
-MIXPREC_HOST_DEVICE inline void novograd_update(const NovoGradCoefficients& c, float denom, float g, float& w,
+MIXPREC_HOST_DEVICE inline void novograd_update(const NovoGradCoefficients& c, float denom, float& grad, float& w,
                                                 float& m) {
-  g *= c.inv_scale;
+  grad *= c.inv_scale;
+  float g = grad;
   if (RegInsideMoment) {
     g = g / denom + c.weight_decay * w;
     m = c.beta1 * m + c.beta3 * g;

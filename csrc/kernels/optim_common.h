@@ -22,6 +22,14 @@ MIXPREC_HOST_DEVICE inline float step_lr(const StepScalars& s) { return s.lr_ten
 MIXPREC_HOST_DEVICE inline float step_count(const StepScalars& s) { return s.step_tensor != nullptr ? *s.step_tensor : s.step; }
 MIXPREC_HOST_DEVICE inline float grad_inv_scale(const StepScalars& s) { return s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f; }
 
+// torch's fused-optimizer contract (aten::_fused_adam_ on CPU and CUDA, Apex's FusedAdam): a step
+// given a grad_scale leaves every gradient unscaled, g * (1/scale) as the update used it, rounded
+// to the grad's dtype, so code that clips or logs grads after scaler.step sees true values. The
+// pass that reads g stores it back (2-4 more bytes per param); a skipped step (found_inf) returns
+// before any store, so grads keep their scaled values, as torch's do. Without a grad_scale the
+// gradient is not written at all.
+MIXPREC_HOST_DEVICE inline bool stores_unscaled_grads(const StepScalars& s) { return s.grad_scale != nullptr; }
+
 // step_tensor += 1 unless found_inf is set. Runs before the update kernel, so every block of
 // that kernel reads the same, already incremented, count.
 void increment_step_cpu(float* step_tensor, const float* found_inf);

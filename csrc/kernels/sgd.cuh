@@ -3,12 +3,13 @@
 #pragma once
 
 #include "kernels/multi_tensor.cuh"
+#include "kernels/optim_common.cuh"
 #include "kernels/sgd.h"
 
 namespace mixprec::kernels {
 
-// TP: model param storage, TG: grad storage; momentum and master are float32.
-template <typename TP, typename TG>
+// TP: model param storage, TG: grad storage; momentum and master are float32. kStoreGrad: as AdamOp.
+template <typename TP, typename TG, bool kStoreGrad>
 struct SgdOp {
   SgdParams p;
 
@@ -22,7 +23,7 @@ struct SgdOp {
     constexpr int N = vec_elems<TP, TG, float>();
     constexpr int Ilp = N >= 8 ? 2 : 3;
     TP* param = chunk_ptr<TP>(table, ctx, kSgdParam);
-    const TG* grad = chunk_ptr<TG>(table, ctx, kSgdGrad);
+    TG* grad = chunk_ptr<TG>(table, ctx, kSgdGrad);
     float* momentum = chunk_ptr<float>(table, ctx, kSgdMomentum);
     float* master = chunk_ptr<float>(table, ctx, kSgdMaster);
     // The first step overwrites the buffer without reading it (torch.optim.SGD's semantics), so it
@@ -43,6 +44,7 @@ struct SgdOp {
 #pragma unroll
           for (int j = 0; j < N; ++j) m[u][j] = 0.f;
       }
+      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
 #pragma unroll

@@ -51,10 +51,11 @@ MIXPREC_HOST_DEVICE inline SgdCoefficients sgd_coefficients(const SgdParams& p) 
 
 // Same order of operations as torch.optim.SGD (and Apex's kernel for wd_after_momentum), so fp32
 // trajectories agree to rounding. `w` is the fp32 weight (master or param); `buf` is neither
-// read on the first step nor touched without momentum.
-MIXPREC_HOST_DEVICE inline void sgd_update(const SgdCoefficients& c, float g, float& w, float& buf) {
-  g *= c.inv_scale;
-  if (c.maximize) g = -g;
+// read on the first step nor touched without momentum. `grad` comes in as stored and leaves
+// unscaled (what stores_unscaled_grads writes back).
+MIXPREC_HOST_DEVICE inline void sgd_update(const SgdCoefficients& c, float& grad, float& w, float& buf) {
+  grad *= c.inv_scale;
+  float g = c.maximize ? -grad : grad;
   if (c.weight_decay != 0.f && !c.wd_after_momentum) g += c.weight_decay * w;
   if (c.use_momentum) {
     buf = c.first_step ? g : c.momentum * buf + c.one_minus_dampening * g;

@@ -85,16 +85,32 @@ TORCH_LIBRARY(mixprec, m) {
   // normalized size past 12288, use torch's LayerNorm.
   m.def("layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor");
 
+  // ---- RMSNorm over the last dimensions (kernels/rms_norm.*) -----------------------------------
+  // input [..., *normalized_shape] contiguous fp32/fp16/bf16, weight shaped normalized_shape of its
+  // dtype or float32, or None -> (out like input, rstd fp32 shaped input's leading dimensions),
+  // rstd = 1 / sqrt(mean(x^2) + eps).
+  m.def("rms_norm_forward(Tensor input, int[] normalized_shape, Tensor? weight, float eps) -> (Tensor, Tensor)");
+  // From the forward's rstd: (grad_input, grad_weight in the weight's dtype), each computed only
+  // where output_mask says (undefined otherwise); the weight gradient is a deterministic fp32 sum.
+  m.def(
+      "rms_norm_backward(Tensor grad_out, Tensor input, int[] normalized_shape, Tensor rstd, Tensor? weight, "
+      "bool[2] output_mask) -> (Tensor, Tensor)");
+  // torch.nn.functional.rms_norm on those two ops, differentiable (eps None: the input dtype's
+  // epsilon); float64, and on CUDA a normalized size past 24576, use torch's rms_norm.
+  m.def("rms_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, float? eps=None) -> Tensor");
+
   // ---- fused optimizers (kernels/<family>.*) -------------------------------------------------
   // Shared by every family: params (any float dtype) are updated in place; with master_params
   // (fp32, one per param) the master is the weight and params receive its rounding, in the same
-  // pass. grads are divided by grad_scale when given. found_inf set: nothing changes at all.
+  // pass. grads are divided by grad_scale when given, and then hold that unscaled gradient
+  // (torch's fused-optimizer contract; not written without grad_scale). found_inf set: nothing
+  // changes at all, grads included.
   // State lists are float32 (Adam moments may be bfloat16) and shaped like params.
   //
   // Adam/AdamW: adam_w_mode picks decoupled weight decay (else L2 added to the gradient);
   // amsgrad is on when max_exp_avg_sqs is non-empty.
   m.def(
-      "adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "adam_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, "
       "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
       "bool maximize=False, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
@@ -103,7 +119,7 @@ TORCH_LIBRARY(mixprec, m) {
   // the gradient); momentum_buffers is empty iff momentum == 0. wd_after_momentum (Apex) adds
   // the decay after the momentum update instead of to the gradient.
   m.def(
-      "sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(e!)[] master_params, "
+      "sgd_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] momentum_buffers, Tensor(e!)[] master_params, "
       "Tensor(f!)? step_tensor, *, float lr, float momentum, float dampening, float weight_decay, bool nesterov, "
       "bool wd_after_momentum=False, bool maximize=False, int step=0, Tensor? lr_tensor=None, "
       "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
@@ -117,7 +133,7 @@ TORCH_LIBRARY(mixprec, m) {
   // given (a shard) into it; the caller reduces them across ranks and passes the result as
   // trust_norms, and that call runs the second pass only (the update).
   m.def(
-      "lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "lamb_(Tensor(a!)[] params, Tensor(h!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool bias_correction, bool grad_averaging, bool adam_w_mode, float max_grad_norm, "
       "bool use_nvlamb, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
@@ -125,7 +141,7 @@ TORCH_LIBRARY(mixprec, m) {
   // Adagrad with torch.optim.Adagrad's lr_decay; adagrad_w_mode (Apex) decays decoupled,
   // otherwise the L2 term is added to the gradient.
   m.def(
-      "adagrad_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, Tensor(e!)[] master_params, "
+      "adagrad_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] state_sums, Tensor(e!)[] master_params, "
       "Tensor(f!)? step_tensor, *, float lr, float eps, float weight_decay, float lr_decay, bool adagrad_w_mode, "
       "bool maximize=False, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
       "Tensor? found_inf=None) -> ()");
@@ -135,7 +151,7 @@ TORCH_LIBRARY(mixprec, m) {
   // norms of the grads as stored, still scaled) replaces the op's own norm pass: for sharded
   // tensors, whose whole-tensor norms the caller reduces across ranks.
   m.def(
-      "novograd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!) exp_avg_sq_norms, "
+      "novograd_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!) exp_avg_sq_norms, "
       "Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, float beta1, float beta2, float eps, "
       "float weight_decay, bool bias_correction, bool grad_averaging, bool reg_inside_moment, float norm_type, "
       "bool init_zero, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "

@@ -363,3 +363,14 @@ def novograd_(
         init_zero=init_zero, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
         grad_norms=grad_norms,
     )
+
+
+def rms_norm(input: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
+             eps: Optional[float] = 1e-5) -> torch.Tensor:
+    """``torch.nn.functional.rms_norm`` on mixprec's kernels: one warp per row, statistics and
+    gradients in float32, the weight gradient a deterministic sum. ``weight`` may be float32 for
+    fp16/bf16 inputs (Apex's MixedFusedRMSNorm); the output keeps the input's dtype. ``eps=None``
+    is ``torch.finfo(input.dtype).eps``, as in torch. float64 inputs, and on CUDA normalized sizes
+    past 24576, use torch's rms_norm. The autograd node is C++, as layer_norm's."""
+    shape = [int(normalized_shape)] if isinstance(normalized_shape, int) else [int(d) for d in normalized_shape]
+    return _ops.rms_norm(input, shape, weight, None if eps is None else float(eps))

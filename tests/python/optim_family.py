@@ -247,10 +247,11 @@ def optimizer_tensors(params, opt):
 
 def grad_scaler_drives_fused_path(family, config, device, dtype, master_weights, where, value, gen, *, steps,
                                   bad_step, bad_param):
-    """torch.amp.GradScaler hands its scale and found_inf to the fused optimizer's step: the grads
-    are not unscaled in place, the steps equal the optimizer fed the unscaled grads bit for bit
-    (power-of-two scales divide exactly), and an inf/NaN injected into param `bad_param`'s grad at
-    step `bad_step` skips the step bit-identically (step counts too) and backs the scale off."""
+    """torch.amp.GradScaler hands its scale and found_inf to the fused optimizer's step: the kernel
+    leaves the grads unscaled (torch's fused contract), the steps equal the optimizer fed the
+    unscaled grads bit for bit (power-of-two scales divide exactly), and an inf/NaN injected into
+    param `bad_param`'s grad at step `bad_step` skips the step bit-identically (step counts and
+    grads too) and backs the scale off."""
     scale0 = 2.0**10
     hyper = dict(family.hyper, **family.configs[config])
     inits, coefs = make_problem([SHAPES], gen, steps=steps)
@@ -270,8 +271,11 @@ def grad_scaler_drives_fused_path(family, config, device, dtype, master_weights,
         state_before = snapshot(optimizer_tensors(pa, opt_a))
         scaler.step(opt_a)
         # The scaler's inf check multiplies by 1.0 in place, which may rewrite a NaN's payload.
-        for i, (g0, p) in enumerate(zip(grads_before, pa)):
-            assert_bitwise_equal(p.grad, g0, f"grad {i} after GradScaler.step (fused: not unscaled)", nan_equal=True)
+        for i, (g0, p, c) in enumerate(zip(grads_before, pa, cs)):
+            if k == bad_step:
+                assert_bitwise_equal(p.grad, g0, f"grad {i} after a skipped step", nan_equal=True)
+            else:
+                assert_bitwise_equal(p.grad, c, f"grad {i} after GradScaler.step (unscaled by the kernel)")
         assert not hasattr(opt_a, "grad_scale") and not hasattr(opt_a, "found_inf")
         scaler.update()
         if k == bad_step:

@@ -187,8 +187,9 @@ def test_op_lr_tensor_equals_host_lr(op_family, device, gen):
                                               (3.7, torch.float32)])
 def test_op_grad_scale_unscales(op_family, device, scale, grad_dtype, gen):
     """grad_scale divides the grads in the kernel: equal to a step on pre-divided grads, bit for
-    bit when the scale is a power of two, to fp32 rounding (it multiplies by 1/scale) otherwise;
-    grads are only read."""
+    bit when the scale is a power of two, to fp32 rounding (it multiplies by 1/scale) otherwise.
+    The kernel leaves each grad unscaled, g * (1/scale) in fp32 rounded to the grad's dtype
+    (torch's fused-optimizer contract); without grad_scale grads are only read."""
     op = op_family
     scaled = op.lists([CHUNK + 1, 9], device, gen, dtype=torch.float16, grad_dtype=grad_dtype, master=True, **op.full)
     plain = clone(scaled)
@@ -198,10 +199,14 @@ def test_op_grad_scale_unscales(op_family, device, scale, grad_dtype, gen):
     exact = math.log2(scale).is_integer()
     if exact:
         assert_unchanged(true_grads, plain["grads"], "power-of-two scaling is exact")
-    scaled_grads = snapshot(scaled["grads"])
+    inv = 1 / scalar(scale, "cpu")  # the kernel's float32 reciprocal
+    unscaled = [(g.cpu().float() * inv).to(grad_dtype) for g in scaled["grads"]]
+    plain_grads = snapshot(plain["grads"])
     op.call(scaled, step=3, grad_scale=scalar(scale, device), **op.hyper)
     op.call(plain, step=3, **op.hyper)
-    assert_unchanged(scaled_grads, scaled["grads"], "grads (read-only)")
+    for i, (g, want) in enumerate(zip(scaled["grads"], unscaled)):
+        assert_bitwise_equal(g, want, f"grad {i} left unscaled")
+    assert_unchanged(plain_grads, plain["grads"], "grads without grad_scale (read-only)")
     if exact:
         assert_same_lists(scaled, plain, f"grad_scale={scale}", [k for k in op.keys if k != "grads"])
     else:

@@ -155,10 +155,12 @@ def test_twenty_steps_match_float64_reference(device, gen, dtype, master, varian
         stored = [(g * (scale or 1.0)).to(dtype) for g in grads64]  # what backward would leave
         for p, g in zip(params, stored):
             p.grad = g.to(device)
+        # The kernel's input, unscaled; taken before the step, which leaves the grads (on the CPU
+        # the very tensors of `stored`) unscaled in place.
+        seen = [g.double() / (scale or 1.0) for g in stored]
         if scale is not None:  # GradScaler's protocol for optimizers that unscale in the kernel
             opt.grad_scale, opt.found_inf = scalar(scale, device), scalar(0.0, device)
         opt.step()
-        seen = [g.double() / (scale or 1.0) for g in stored]  # the kernel's input, unscaled
         group_max = [g["max_grad_norm"] for g in opt.param_groups]
         for gi, (track, ps) in enumerate(zip(tracks, split)):
             group = opt.param_groups[gi]

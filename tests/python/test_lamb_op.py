@@ -131,8 +131,9 @@ def test_explicit_global_norm_equals_the_internal_one(device, gen):
         params = [p.clone() for p in init]
         ms = [torch.zeros_like(p) for p in params]
         vs = [torch.zeros_like(p) for p in params]
-        norm = mixprec.multi_tensor_norm(grads)[0].reshape(1) / scale if given else None
-        args, hp = lamb_args(params, grads, ms, vs)
+        step_grads = [g.clone() for g in grads]  # the step leaves its grads unscaled
+        norm = mixprec.multi_tensor_norm(step_grads)[0].reshape(1) / scale if given else None
+        args, hp = lamb_args(params, step_grads, ms, vs)
         mixprec.lamb_(*args, grad_scale=scalar(scale, device), global_grad_norm=norm, **hp)
         outs.append(params + ms + vs)
     for i, (a, b) in enumerate(zip(*outs)):

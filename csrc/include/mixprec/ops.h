@@ -155,6 +155,38 @@ inline at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized
   return op.call(input, normalized_shape, weight, bias, eps);
 }
 
+// input [..., *normalized_shape] contiguous (fp32/fp16/bf16), weight shaped normalized_shape of
+// its dtype or float32, or none -> (out, rstd fp32 shaped input's leading dimensions).
+inline std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                                           const std::optional<at::Tensor>& weight, double eps) {
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef, const std::optional<at::Tensor>&,
+                                                 double);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::rms_norm_forward", "").typed<Sig>();
+  return op.call(input, normalized_shape, weight, eps);
+}
+
+// (grad_input, grad_weight) from rms_norm_forward's rstd; a gradient whose output_mask entry is
+// false comes back undefined.
+inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& input,
+                                                            at::IntArrayRef normalized_shape, const at::Tensor& rstd,
+                                                            const std::optional<at::Tensor>& weight,
+                                                            std::array<bool, 2> output_mask) {
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                                                 const at::Tensor&, const std::optional<at::Tensor>&, std::array<bool, 2>);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::rms_norm_backward", "").typed<Sig>();
+  return op.call(grad_out, input, normalized_shape, rstd, weight, output_mask);
+}
+
+// torch::nn::functional::rms_norm, differentiable, on the two ops above; eps = nullopt is the
+// input dtype's epsilon (torch's default).
+inline at::Tensor rms_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                           const std::optional<at::Tensor>& weight = std::nullopt,
+                           std::optional<double> eps = std::nullopt) {
+  using Sig = at::Tensor(const at::Tensor&, at::IntArrayRef, const std::optional<at::Tensor>&, std::optional<double>);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::rms_norm", "").typed<Sig>();
+  return op.call(input, normalized_shape, weight, eps);
+}
+
 // ---- fused optimizer steps --------------------------------------------------------------------
 // Scalars shared by every optimizer op (see csrc/ops/library.cpp): lr and step from the host, or
 // one-element float32 device tensors (then a step is CUDA-graph capturable); grads divided by

@@ -18,6 +18,8 @@ MIXPREC_CPU_CLONES void adagrad_chunk(const AdagradParams& p, const AdagradCoeff
     cpu::load_tile(g.dtypes[weight_list], g.ptrs[weight_list][t], at, len, w);
     cpu::load_tile(DType::kFloat32, g.ptrs[kAdagradStateSum][t], at, len, h);
     for (int64_t i = 0; i < len; ++i) adagrad_update(c, grad[i], w[i], h[i]);
+    if (stores_unscaled_grads(p.scalars))
+      cpu::store_tile(g.dtypes[kAdagradGrad], grad, g.ptrs[kAdagradGrad][t], at, len);
     cpu::store_tile(g.dtypes[kAdagradParam], w, g.ptrs[kAdagradParam][t], at, len);
     if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kAdagradMaster][t], at, len);
     cpu::store_tile(DType::kFloat32, h, g.ptrs[kAdagradStateSum][t], at, len);

@@ -33,6 +33,7 @@ MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& 
         adam_update(c, grad[i], w[i], m[i], v[i], unused_max);
       }
     }
+    if (stores_unscaled_grads(p.scalars)) cpu::store_tile(g.dtypes[kAdamGrad], grad, g.ptrs[kAdamGrad][t], at, len);
     cpu::store_tile(g.dtypes[kAdamParam], w, g.ptrs[kAdamParam][t], at, len);
     if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kAdamMaster][t], at, len);
     cpu::store_tile(g.dtypes[kAdamExpAvg], m, g.ptrs[kAdamExpAvg][t], at, len);

@@ -26,6 +26,7 @@ MIXPREC_CPU_CLONES void lamb_moments_chunk(const LambParams& p, const LambCoeffi
     cpu::load_tile(DType::kFloat32, g.ptrs[kLambExpAvg][t], at, len, m);
     cpu::load_tile(DType::kFloat32, g.ptrs[kLambExpAvgSq][t], at, len, v);
     for (int64_t i = 0; i < len; ++i) u[i] = lamb_moments(c, grad[i], w[i], m[i], v[i]);
+    if (stores_unscaled_grads(p.scalars)) cpu::store_tile(g.dtypes[kLambGrad], grad, g.ptrs[kLambGrad][t], at, len);
     cpu::store_tile(DType::kFloat32, m, g.ptrs[kLambExpAvg][t], at, len);
     cpu::store_tile(DType::kFloat32, v, g.ptrs[kLambExpAvgSq][t], at, len);
     if (apply) {

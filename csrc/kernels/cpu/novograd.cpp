@@ -13,7 +13,7 @@ namespace {
 
 // One loop per moment mode, so that each vectorizes without a branch inside.
 template <bool RegInsideMoment>
-MIXPREC_INLINE void update_tile(const NovoGradCoefficients& c, float denom, const float* grad, float* w, float* m,
+MIXPREC_INLINE void update_tile(const NovoGradCoefficients& c, float denom, float* grad, float* w, float* m,
                                 int64_t len) {
   for (int64_t i = 0; i < len; ++i) novograd_update<RegInsideMoment>(c, denom, grad[i], w[i], m[i]);
 }
@@ -30,6 +30,8 @@ MIXPREC_CPU_CLONES void novograd_chunk(const NovoGradParams& p, const NovoGradCo
     cpu::load_tile(DType::kFloat32, g.ptrs[kNovoGradExpAvg][t], at, len, m);
     if (c.reg_inside_moment) update_tile<true>(c, denom, grad, w, m, len);
     else update_tile<false>(c, denom, grad, w, m, len);
+    if (stores_unscaled_grads(p.scalars))
+      cpu::store_tile(g.dtypes[kNovoGradGrad], grad, g.ptrs[kNovoGradGrad][t], at, len);
     cpu::store_tile(g.dtypes[kNovoGradParam], w, g.ptrs[kNovoGradParam][t], at, len);
     if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kNovoGradMaster][t], at, len);
     cpu::store_tile(DType::kFloat32, m, g.ptrs[kNovoGradExpAvg][t], at, len);

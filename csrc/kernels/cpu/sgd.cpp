@@ -26,6 +26,7 @@ MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& c, 
         sgd_update(c, grad[i], w[i], unused);
       }
     }
+    if (stores_unscaled_grads(p.scalars)) cpu::store_tile(g.dtypes[kSgdGrad], grad, g.ptrs[kSgdGrad][t], at, len);
     cpu::store_tile(g.dtypes[kSgdParam], w, g.ptrs[kSgdParam][t], at, len);
     if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kSgdMaster][t], at, len);
   }

@@ -10,7 +10,9 @@ void adagrad_cuda(const AdagradParams& p, Stream stream) {
     using TP = decltype(param_tag);
     dispatch_dtype(g.dtypes[kAdagradGrad], [&](auto grad_tag) {
       using TG = decltype(grad_tag);
-      launch_multi_tensor<kAdagradLists>(g, AdagradOp<TP, TG>{p}, stream);
+      dispatch_store_grads(p.scalars, [&](auto store) {
+        launch_multi_tensor<kAdagradLists>(g, AdagradOp<TP, TG, decltype(store)::value>{p}, stream);
+      });
     });
   });
 }

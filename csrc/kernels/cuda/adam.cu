@@ -11,10 +11,13 @@ void adam_cuda(const AdamParams& p, Stream stream) {
     dispatch_dtype(g.dtypes[kAdamGrad], [&](auto grad_tag) {
       using TG = decltype(grad_tag);
       // Moments are float32, or bfloat16 to save memory (validated by the ops tier).
-      if (g.dtypes[kAdamExpAvg] == DType::kBFloat16)
-        launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, __nv_bfloat16>{p}, stream);
-      else
-        launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, float>{p}, stream);
+      dispatch_store_grads(p.scalars, [&](auto store) {
+        constexpr bool kStore = decltype(store)::value;
+        if (g.dtypes[kAdamExpAvg] == DType::kBFloat16)
+          launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, __nv_bfloat16, kStore>{p}, stream);
+        else
+          launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, float, kStore>{p}, stream);
+      });
     });
   });
 }

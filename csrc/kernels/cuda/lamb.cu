@@ -10,8 +10,11 @@ void lamb_moments_cuda(const LambParams& p, Stream stream) {
     using TP = decltype(param_tag);
     dispatch_dtype(g.dtypes[kLambGrad], [&](auto grad_tag) {
       using TG = decltype(grad_tag);
-      if (p.trust_ratio) launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, false>{p}, stream);
-      else launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, true>{p}, stream);
+      dispatch_store_grads(p.scalars, [&](auto store) {
+        constexpr bool kStore = decltype(store)::value;
+        if (p.trust_ratio) launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, false, kStore>{p}, stream);
+        else launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, true, kStore>{p}, stream);
+      });
     });
   });
 }

@@ -6,65 +6,17 @@
 // into one row of fp32 partials, and column_sum.cuh adds those in split order.
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <mutex>
-#include <set>
-#include <type_traits>
-#include <utility>
+#include <stdexcept>
 
-#include "kernels/column_sum.cuh"
 #include "kernels/layer_norm.h"
-#include "kernels/multi_tensor.cuh"
+#include "kernels/row_norm.cuh"
 
 namespace mixprec::kernels {
 namespace {
 
-constexpr int kForwardWarps = 4;    // rows per forward block
-constexpr int kBackwardWarps = 8;   // most rows in flight per backward block
-constexpr int kBackwardBlocksPerSM = 2;
-// Shared memory of one backward block: two blocks fit an H100/H200 SM (228 KB). A warp needs
-// 2 x padded cols floats, so up to 8 warps for 1536 columns, 1 warp for 12800
-// (kLayerNormMaxCudaCols stays below that).
-constexpr int kBackwardSmemBytes = 100 * 1024;
+using namespace row_norm;
 
-template <typename T>
-constexpr int row_vector() {
-  return vec_elems<T>();
-}
-
-// A lane's columns are lane*V + k*32*V + j (k-th stride, j-th element of its vector). In the
-// backward's shared rows they sit at (k*V + j)*32 + lane: for each (k, j) the 32 lanes touch 32
-// consecutive words, one per bank.
-template <typename T>
-__device__ __forceinline__ int shared_slot(int k, int j, int lane) {
-  return (k * row_vector<T>() + j) * 32 + lane;
-}
-
-// A row's strides: 32 lanes x one 16-byte vector each.
-int row_strides(DType dtype, int64_t cols) {
-  const int64_t stride = 32 * vector_elems(dtype);
-  return static_cast<int>((cols + stride - 1) / stride);
-}
-
-int64_t padded_cols(DType dtype, int64_t cols) {
-  return int64_t{row_strides(dtype, cols)} * 32 * vector_elems(dtype);
-}
-
-int backward_warps(DType dtype, int64_t cols) {
-  const int64_t per_warp = 2 * padded_cols(dtype, cols) * static_cast<int64_t>(sizeof(float));
-  return static_cast<int>(std::min<int64_t>(kBackwardWarps, kBackwardSmemBytes / per_warp));
-}
-
-bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// A lane's values of stride k of a row: unpacked from the words the kernel holds (kStrides > 0),
-// or loaded (kStrides == 0: any width, a second pass re-reads the row from the cache).
-template <typename T, int kStrides, int kWords>
-__device__ __forceinline__ void row_values(const uint4 (&words)[kWords], const T* row, int k, int c, int n,
-                                           bool vec_ok, float (&r)[row_vector<T>()]) {
-  if constexpr (kStrides > 0) unpack_word<T>(words[k], 0, r);
-  else load<T, row_vector<T>()>(row, c, n, vec_ok, r);
-}
+constexpr int kSets = 2;  // the backward's shared rows per warp: dw, then db
 
 // kStrides > 0 serves rows of at most kStrides * 32 vectors: the warp loads its row's words once
 // into registers and the three passes (sum, squared deviations, output) unpack them; before, each
@@ -81,10 +33,7 @@ __global__ void __launch_bounds__(kForwardWarps * 32) layer_norm_forward_kernel(
   const int strides = kStrides > 0 ? kStrides : (n + 32 * V - 1) / (32 * V);
   const T* x = static_cast<const T*>(p.input) + row * p.cols;
   uint4 words[kWords];
-  if constexpr (kStrides > 0) {
-#pragma unroll
-    for (int k = 0; k < kStrides; ++k) words[k] = load_word<T>(x, lane * V + k * 32 * V, n, vec_ok);
-  }
+  load_row_words<T, kStrides>(x, lane, n, vec_ok, words);
 
   float sum = 0.f;
 #pragma unroll
@@ -147,12 +96,8 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) lay
   const int strides = kStrides > 0 ? kStrides : (n + 32 * V - 1) / (32 * V);  // a lane's vectors per row
   const int padded = strides * 32 * V;
   const bool params = p.partials != nullptr;
-  float* acc_w = shared_rows + static_cast<int64_t>(warp) * 2 * padded;
-  float* acc_b = acc_w + padded;
-  if (params) {
-    for (int i = lane; i < padded; i += 32) acc_w[i] = acc_b[i] = 0.f;
-    __syncwarp();
-  }
+  float* acc_w = params ? warp_shared_rows<kSets>(shared_rows, warp, lane, padded) : nullptr;
+  float* acc_b = params ? acc_w + padded : nullptr;
   const T* w = static_cast<const T*>(p.weight);
 
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * warps + warp; row < p.rows;
@@ -161,30 +106,20 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) lay
     const T* dy = static_cast<const T*>(p.grad_out) + row * p.cols;
     const float mean = p.mean[row], rstd = p.rstd[row];
     uint4 x_words[kWords], dy_words[kWords];
-    if constexpr (kStrides > 0) {
-#pragma unroll
-      for (int k = 0; k < kStrides; ++k) {
-        x_words[k] = load_word<T>(x, lane * V + k * 32 * V, n, vec_ok);
-        dy_words[k] = load_word<T>(dy, lane * V + k * 32 * V, n, vec_ok);  // zero past n: adds nothing
-      }
-    }
+    load_row_words<T, kStrides>(x, lane, n, vec_ok, x_words);
+    load_row_words<T, kStrides>(dy, lane, n, vec_ok, dy_words);
     float sum_g = 0.f, sum_gx = 0.f;
 #pragma unroll
     for (int k = 0; k < strides; ++k) {
-      const int c = lane * V + k * 32 * V;
-      float xv[V], dv[V], wv[V];
-      row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xv);
-      row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
-      if (w != nullptr) load<T, V>(w, c, n, vec_ok, wv);
+      float xhat[V], dv[V], g[V];
+      backward_terms<T, T, kStrides>(x_words, dy_words, x, dy, w, k, lane, n, vec_ok, mean, rstd, xhat, dv, g);
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const float xhat = (xv[j] - mean) * rstd;
-        const float g = w != nullptr ? dv[j] * wv[j] : dv[j];
-        sum_g += g;
-        sum_gx += g * xhat;
+        sum_g += g[j];
+        sum_gx += g[j] * xhat[j];
         if (params) {
           const int s = shared_slot<T>(k, j, lane);
-          acc_w[s] += dv[j] * xhat;
+          acc_w[s] += dv[j] * xhat[j];
           acc_b[s] += dv[j];
         }
       }
@@ -195,73 +130,20 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) lay
     T* dx = static_cast<T*>(p.grad_input) + row * p.cols;
 #pragma unroll
     for (int k = 0; k < strides; ++k) {
-      const int c = lane * V + k * 32 * V;
-      float xv[V], dv[V], wv[V];
-      row_values<T, kStrides>(x_words, x, k, c, n, vec_ok, xv);
-      row_values<T, kStrides>(dy_words, dy, k, c, n, vec_ok, dv);
-      if (w != nullptr) load<T, V>(w, c, n, vec_ok, wv);
+      float xhat[V], dv[V], g[V];
+      backward_terms<T, T, kStrides>(x_words, dy_words, x, dy, w, k, lane, n, vec_ok, mean, rstd, xhat, dv, g);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float xhat = (xv[j] - mean) * rstd;
-        const float g = w != nullptr ? dv[j] * wv[j] : dv[j];
-        xv[j] = rstd * (g - mean_g - xhat * mean_gx);
-      }
-      store<T, V>(dx, c, n, vec_ok, xv);
+      for (int j = 0; j < V; ++j) xhat[j] = rstd * (g[j] - mean_g - xhat[j] * mean_gx);
+      store<T, V>(dx, lane * V + k * 32 * V, n, vec_ok, xhat);
     }
   }
-  if (!params) return;
-  __syncthreads();
-  // This block's row of partials: its warps' rows added in warp order, back in column order.
-  for (int c = threadIdx.x; c < n; c += blockDim.x) {
-    const int k = c / (32 * V), lane_of = (c % (32 * V)) / V, j = c % V;
-    const int s = shared_slot<T>(k, j, lane_of);
-    float sw = 0.f, sb = 0.f;
-    for (int q = 0; q < warps; ++q) {
-      sw += shared_rows[static_cast<int64_t>(q) * 2 * padded + s];
-      sb += shared_rows[static_cast<int64_t>(q) * 2 * padded + padded + s];
-    }
-    p.partials[static_cast<int64_t>(blockIdx.x) * p.cols + c] = sw;
-    p.partials[(p.splits + blockIdx.x) * p.cols + c] = sb;
-  }
-}
-
-// Rows of up to this many strides (2048 fp16/bf16 or 1024 fp32 columns: GPT-2 small to XL, and
-// the widths of most LLMs' smaller models) take the register-held forms; their words cost 4
-// registers a stride in the forward (x) and 8 in the backward (x and dy).
-constexpr int kMaxRegisterStrides = 8;
-
-// The kernel instance for a row of `strides` strides: kernel_of(std::integral_constant<int, k>)
-// for k = strides from kMaxRegisterStrides down to 1, k = 0 (the any-width form) past them.
-template <int kStrides = kMaxRegisterStrides, typename KernelOf>
-auto kernel_for(int strides, KernelOf kernel_of) {
-  if constexpr (kStrides == 0) {
-    return kernel_of(std::integral_constant<int, 0>{});
-  } else {
-    return strides == kStrides ? kernel_of(std::integral_constant<int, kStrides>{})
-                               : kernel_for<kStrides - 1>(strides, kernel_of);
-  }
-}
-
-// Dynamic shared memory beyond the default 48 KB needs an opt-in per kernel and device. It is a
-// host call, set once for each pair rather than on every launch (73 launches a step on GPT-2 large).
-void allow_backward_shared_memory(const void* kernel) {
-  static std::mutex mutex;
-  static std::set<std::pair<const void*, int>> allowed;
-  int device = 0;
-  MIXPREC_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (allowed.count({kernel, device}) != 0) return;
-  MIXPREC_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBackwardSmemBytes));
-  allowed.insert({kernel, device});
+  if (params) write_block_partials<T, kSets>(shared_rows, warps, padded, n, p.splits, p.partials);
 }
 
 }  // namespace
 
 int64_t layer_norm_cuda_splits(DType dtype, int64_t rows, int64_t cols) {
-  const int warps = std::max(1, backward_warps(dtype, cols));  // cols <= kLayerNormMaxCudaCols: at least 1
-  if (rows == 0) return 1;
-  const int64_t blocks = (rows + warps - 1) / warps;
-  return std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(kBackwardBlocksPerSM) * current_sm_count()));
+  return backward_splits(dtype, rows, cols, kSets);
 }
 
 void layer_norm_forward_cuda(const LayerNormForwardParams& p, Stream stream) {
@@ -284,30 +166,12 @@ void layer_norm_backward_cuda(const LayerNormBackwardParams& p, Stream stream) {
     using T = decltype(tag);
     if (p.cols > kLayerNormMaxCudaCols)
       throw std::invalid_argument("mixprec: layer_norm backward: too many columns for the CUDA kernel");
-    const int warps = backward_warps(p.dtype, p.cols);
-    if (p.rows > 0) {
-      const bool vec_ok = p.cols % vec_elems<T>() == 0 && aligned16(p.input) && aligned16(p.grad_out) &&
-                          aligned16(p.weight) && aligned16(p.grad_input);
-      const size_t smem =
-          p.partials != nullptr ? static_cast<size_t>(warps) * 2 * padded_cols(p.dtype, p.cols) * sizeof(float) : 0;
-      const auto kernel = kernel_for(row_strides(p.dtype, p.cols),
-                                     [](auto k) { return &layer_norm_backward_kernel<T, decltype(k)::value>; });
-      if (smem > 48 * 1024) allow_backward_shared_memory(reinterpret_cast<const void*>(kernel));
-      kernel<<<static_cast<unsigned>(p.splits), warps * 32, smem, stream>>>(p, vec_ok);
-      MIXPREC_CUDA_CHECK(cudaGetLastError());
-    } else if (p.partials != nullptr) {
-      // No rows: the parameter gradients are sums of nothing; one split of zeros.
-      MIXPREC_CUDA_CHECK(cudaMemsetAsync(p.partials, 0, 2 * p.splits * p.cols * sizeof(float), stream));
-    }
-    if (p.partials != nullptr) {
-      ColumnFinish finish;
-      finish.partials = p.partials;
-      finish.splits = p.splits;
-      finish.cols = p.cols;
-      finish.out[0] = p.grad_weight;
-      finish.out[1] = p.grad_bias;
-      launch_column_finish<T>(finish, 2, stream);
-    }
+    const bool vec_ok = p.cols % vec_elems<T>() == 0 && aligned16(p.input) && aligned16(p.grad_out) &&
+                        aligned16(p.weight) && aligned16(p.grad_input);
+    const auto kernel = kernel_for(row_strides(p.dtype, p.cols),
+                                   [](auto k) { return &layer_norm_backward_kernel<T, decltype(k)::value>; });
+    void* const outs[kSets] = {p.grad_weight, p.grad_bias};
+    launch_backward<T, kSets>(kernel, p, p.dtype, vec_ok, outs, stream);
   });
 }
 

@@ -17,7 +17,9 @@ void novograd_cuda(const NovoGradParams& p, Stream stream) {
   dispatch_dtype(g.dtypes[kNovoGradParam], [&](auto param_tag) {
     using TP = decltype(param_tag);
     dispatch_dtype(g.dtypes[kNovoGradGrad], [&](auto grad_tag) {
-      launch_multi_tensor<kNovoGradLists>(g, NovoGradOp<TP, decltype(grad_tag)>{p}, stream);
+      dispatch_store_grads(p.scalars, [&](auto store) {
+        launch_multi_tensor<kNovoGradLists>(g, NovoGradOp<TP, decltype(grad_tag), decltype(store)::value>{p}, stream);
+      });
     });
   });
 }

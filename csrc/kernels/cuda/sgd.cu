@@ -10,7 +10,9 @@ void sgd_cuda(const SgdParams& p, Stream stream) {
     using TP = decltype(param_tag);
     dispatch_dtype(g.dtypes[kSgdGrad], [&](auto grad_tag) {
       using TG = decltype(grad_tag);
-      launch_multi_tensor<kSgdLists>(g, SgdOp<TP, TG>{p}, stream);
+      dispatch_store_grads(p.scalars, [&](auto store) {
+        launch_multi_tensor<kSgdLists>(g, SgdOp<TP, TG, decltype(store)::value>{p}, stream);
+      });
     });
   });
 }

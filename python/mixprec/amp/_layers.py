@@ -1,5 +1,5 @@
-"""The layer kernels of a cast model (O2/O3): amp.initialize turns every plain nn.Linear and
-nn.LayerNorm into these subclasses, whose forward runs on mixprec's ops. The math is torch's
+"""The layer kernels of a cast model (O2/O3): amp.initialize turns every plain nn.Linear,
+nn.LayerNorm and nn.RMSNorm into these subclasses, whose forward runs on mixprec's ops. The math is torch's
 (the same forward and GEMMs for Linear, fp32 statistics for LayerNorm); what changes is the
 kernels around it: the Linear's bias gradient is mixprec.linear_bias_grad's sum instead of
 torch's generic reduction, and LayerNorm is mixprec.layer_norm (one warp per row, the parameter
@@ -27,11 +27,22 @@ class LayerNorm(torch.nn.LayerNorm):
         return _ops.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
-_SWAPS = {torch.nn.Linear: Linear, torch.nn.LayerNorm: LayerNorm}
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` whose forward is :func:`mixprec.rms_norm`."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # The kernels take a weight of the input's dtype or float32; any other pairing (an fp32
+        # input reaching a cast fp16 weight) is torch's to promote.
+        if self.weight is not None and self.weight.dtype not in (input.dtype, torch.float32):
+            return super().forward(input)
+        return _ops.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
+_SWAPS = {torch.nn.Linear: Linear, torch.nn.LayerNorm: LayerNorm, torch.nn.RMSNorm: RMSNorm}
 
 
 def use_layer_kernels(model: torch.nn.Module) -> int:
-    """Turns every module of exactly type nn.Linear or nn.LayerNorm in ``model`` into its mixprec
+    """Turns every module of exactly type nn.Linear, nn.LayerNorm or nn.RMSNorm in ``model`` into its mixprec
     subclass in place (the same object, parameters and hooks; isinstance checks still hold).
     Subclasses of those types are left alone: their forward may do more. Returns the count."""
     swapped = 0

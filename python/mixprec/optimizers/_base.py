@@ -32,7 +32,8 @@ class FusedOptimizer(torch.optim.Optimizer):
       ``state[p]["master_param"]``; the op updates it and writes the rounded copy to the model;
     - ``_step_supports_amp_scaling``: torch.amp.GradScaler and mixprec.GradScaler hand the loss
       scale and found_inf to ``step()`` (as ``self.grad_scale``/``self.found_inf``); the kernel
-      unscales and skips on the device;
+      unscales and skips on the device, and leaves each ``p.grad`` unscaled (untouched by a
+      skipped step), as torch's fused optimizers do;
     - ``state_dict()`` holds everything (moments, master weights, step counts) and loads with
       ``torch.load(weights_only=True)``; ``load_state_dict`` validates before changing anything and
       keeps state dtypes (torch's loader would cast fp32 state to the parameter's fp16);
