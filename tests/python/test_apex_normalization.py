@@ -10,25 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_bitwise_equal, assert_rel_err, peer_bound, random_tensor
-from mixprec import _ops
 from mixprec.apex_compat import normalization as N
-
-
-def _rms_norm_stand_in(input, normalized_shape, weight=None, eps=1e-5):
-    """mixprec._ops.rms_norm's contract (fp32 statistics, output in input's dtype, one dtype for
-    input and weight), on torch ops, until the op lands."""
-    if weight is not None and weight.dtype != input.dtype:
-        raise TypeError("mixprec::rms_norm: weight and input must have one dtype")
-    dims = tuple(range(-len(normalized_shape), 0))
-    x = input.float()
-    y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
-    return (y if weight is None else y * weight.float()).to(input.dtype)
-
-
-@pytest.fixture(autouse=True)
-def rms_norm_op(monkeypatch):
-    if not hasattr(_ops, "rms_norm"):  # TODO(merge): drop once rms_norm lands
-        monkeypatch.setattr(_ops, "rms_norm", _rms_norm_stand_in, raising=False)
 
 
 def ref_norm(rms, x, shape, w, b, eps):

@@ -309,10 +309,7 @@ def test_same_as_torch(scenario, opt_name, device, seed):
 # After a fused step torch's fused optimizers leave .grad unscaled (their kernel writes it back);
 # after an overflow they leave it as it was. mixprec's must do the same under either scaler.
 @pytest.mark.parametrize(("theirs", "ours"), [("adam_fused", "mixprec_adam"), ("sgd_fused", "mixprec_sgd")])
-@pytest.mark.parametrize("overflow", [
-    pytest.param(False, marks=pytest.mark.xfail(strict=True, reason="needs the in-kernel grad write-back (issue 19.7)")),
-    True,
-])
+@pytest.mark.parametrize("overflow", [False, True])
 def test_grad_after_a_mixprec_fused_step_is_what_torch_fused_leaves(theirs, ours, overflow, seed):
     sides = [Side(torch.amp.GradScaler, theirs, seed), Side(GradScaler, ours, seed)]
     for side in sides:
