@@ -240,11 +240,11 @@ TEST_P(ApiGradScaler, MisuseIsReported) {
   expect_c10_error([&] { scaler.unscale_(opt); }, {"GradScaler", "after step()"});
   scaler.update();
   // The numbers in these messages are formatted without std::ostream (csrc/ops/format.h).
-  expect_c10_error([&] { GradScaler(GradScalerOptions().growth_factor(1.0)); }, {"growth_factor must be > 1, got 1"});
-  expect_c10_error([&] { GradScaler(GradScalerOptions().backoff_factor(1.5)); }, {"backoff_factor", "got 1.5"});
-  expect_c10_error([&] { GradScaler(GradScalerOptions().hysteresis(0)); }, {"hysteresis must be >= 1, got 0"});
-  expect_c10_error([&] { GradScaler(GradScalerOptions().min_scale(4.0).max_scale(2.0)); },
-                   {"max_scale (2) must be >= min_scale (4)"});
+  expect_c10_error([&] { GradScaler(GradScalerOptions().growth_factor(1.0)); }, {"invalid growth_factor 1;"});
+  expect_c10_error([&] { GradScaler(GradScalerOptions().backoff_factor(1.5)); }, {"backoff_factor 1.5;"});
+  expect_c10_error([&] { GradScaler(GradScalerOptions().hysteresis(0)); }, {"invalid hysteresis 0;"});
+  expect_c10_error([&] { GradScaler(GradScalerOptions().min_scale(4.0).max_scale(2.0).init_scale(3.0)); },
+                   {"invalid max_scale 2; expected a number >= min_scale (4)"});
 }
 
 std::string save_scaler(const GradScaler& s) {
