@@ -99,7 +99,7 @@ TEST_P(LossScaleBadScales, NaNScalesStayNaNAndZeroScalesBackOffToTheFloor) {
     auto hyst = torch::full({1}, 2, opts(at::kInt));
     auto found = torch::zeros({1}, opts());
     // Clean steps (growth), then overflows (backoff after two), then clean again.
-    for (const float f : {0.f, 0.f, 0.f, 1.f, 1.f, 1.f, kNaN, 0.f, 0.f}) {
+    for (const double f : {0.0, 0.0, 0.0, 1.0, 1.0, 1.0, kNaN, 0.0, 0.0}) {
       found.fill_(f);
       mixprec::update_scale_(scale, growth, found, o, hyst);
     }
