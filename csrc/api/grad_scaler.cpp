@@ -13,18 +13,37 @@
 #include <mixprec/optim/fused_optimizer.h>
 
 #include "api/api_util.h"
+#include "kernels/loss_scale.h"  // kScaleFloor
 
 namespace mixprec::amp {
 
 namespace {
 constexpr const char* kName = "mixprec::amp::GradScaler";
 
+// A loss scale must survive the float32 scale tensor, as the Python front requires: positive,
+// normal and finite (one that rounds to a subnormal, 0 or inf makes every unscaled gradient
+// inf/NaN). kScaleFloor is also the lowest scale a backoff reaches.
+constexpr double kMaxFloat = 3.4028234663852886e38;
+void check_scale(const std::string& where, const char* name, double v) {
+  TORCH_CHECK_VALUE(v >= kernels::kScaleFloor && v <= kMaxFloat, where, ": invalid ", name, " ", detail::num(v),
+                    "; expected a normal float32 in [2^-126, 3.4028235e+38]");
+}
+
+// min_scale <= `name` <= max_scale where those are given.
+void check_bounds(const GradScalerOptions& o, const std::string& where, const char* name, double v) {
+  if (o.min_scale())
+    TORCH_CHECK_VALUE(v >= *o.min_scale(), where, ": invalid ", name, " ", detail::num(v),
+                      "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
+  if (o.max_scale())
+    TORCH_CHECK_VALUE(v <= *o.max_scale(), where, ": invalid ", name, " ", detail::num(v),
+                      "; expected a number <= max_scale (", detail::num(*o.max_scale()), ")");
+}
+
 // Every option, before anything is written: errors name `where` (the GradScaler call), the option
 // and what is expected. The op takes growth_interval and hysteresis as 32-bit integers.
 void check_options(const GradScalerOptions& o, const std::string& where) {
   constexpr int64_t kInt32Max = 2147483647;
-  TORCH_CHECK_VALUE(std::isfinite(o.init_scale()) && o.init_scale() > 0, where, ": invalid init_scale ",
-                    detail::num(o.init_scale()), "; expected a finite number > 0");
+  check_scale(where, "init_scale", o.init_scale());
   TORCH_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1, where, ": invalid growth_factor ",
                     detail::num(o.growth_factor()), "; expected a finite number > 1");
   TORCH_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1, where, ": invalid backoff_factor ",
@@ -34,20 +53,13 @@ void check_options(const GradScalerOptions& o, const std::string& where) {
   TORCH_CHECK_VALUE(o.hysteresis() >= 1 && o.hysteresis() <= kInt32Max, where, ": invalid hysteresis ",
                     detail::num(o.hysteresis()), "; expected an integer in [1, 2^31 - 1]");
   if (o.min_scale())
-    TORCH_CHECK_VALUE(std::isfinite(*o.min_scale()) && *o.min_scale() >= 0, where, ": invalid min_scale ",
-                      detail::num(*o.min_scale()), "; expected a finite number >= 0");
-  if (o.max_scale())
-    TORCH_CHECK_VALUE(*o.max_scale() > 0, where, ": invalid max_scale ", detail::num(*o.max_scale()),
-                      "; expected a number > 0");
+    TORCH_CHECK_VALUE(*o.min_scale() >= 0 && *o.min_scale() <= kMaxFloat, where, ": invalid min_scale ",
+                      detail::num(*o.min_scale()), "; expected a finite float32 >= 0");
+  if (o.max_scale()) check_scale(where, "max_scale", *o.max_scale());
   if (o.min_scale() && o.max_scale())
     TORCH_CHECK_VALUE(*o.max_scale() >= *o.min_scale(), where, ": invalid max_scale ", detail::num(*o.max_scale()),
                       "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
-  if (o.min_scale())
-    TORCH_CHECK_VALUE(o.init_scale() >= *o.min_scale(), where, ": invalid init_scale ", detail::num(o.init_scale()),
-                      "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
-  if (o.max_scale())
-    TORCH_CHECK_VALUE(o.init_scale() <= *o.max_scale(), where, ": invalid init_scale ", detail::num(o.init_scale()),
-                      "; expected a number <= max_scale (", detail::num(*o.max_scale()), ")");
+  check_bounds(o, where, "init_scale", o.init_scale());
 }
 
 // 1 (float32, on the scale's device) when the scale cannot unscale: its float32 inverse is inf,
@@ -223,8 +235,9 @@ void GradScaler::update() {
 void GradScaler::update(double new_scale) {
   if (!options_.enabled()) return;
   check_initialized("update");
-  TORCH_CHECK_VALUE(std::isfinite(new_scale) && new_scale > 0, kName, ".update: invalid new_scale ",
-                    detail::num(new_scale), "; expected a finite number > 0");
+  const std::string where = std::string(kName) + ".update";
+  check_scale(where, "new_scale", new_scale);
+  check_bounds(options_, where, "new_scale", new_scale);
   std::vector<at::Tensor> found;
   for (const auto& kv : per_optimizer_)
     for (const auto& f : kv.second.found_inf_per_device) found.push_back(f);
@@ -290,8 +303,9 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   // The trackers are int32 on the device.
   TORCH_CHECK_VALUE(growth >= 0 && growth <= 2147483647, where, ": '_growth_tracker' must be in [0, 2^31 - 1], got ",
                     detail::num(growth));
-  TORCH_CHECK_VALUE(hysteresis_tracker >= 0 && hysteresis_tracker <= 2147483647, where,
-                    ": '_hysteresis_tracker' must be in [0, 2^31 - 1], got ", detail::num(hysteresis_tracker));
+  TORCH_CHECK_VALUE(hysteresis_tracker >= 0 && hysteresis_tracker <= o.hysteresis(), where,
+                    ": '_hysteresis_tracker' must be in [0, hysteresis = ", detail::num(o.hysteresis()), "], got ",
+                    detail::num(hysteresis_tracker));
   TORCH_CHECK_VALUE(skipped >= 0, where, ": '_skipped_steps' must be >= 0, got ", detail::num(skipped));
 
   o.init_scale(options_.init_scale());  // the constructor's value stays what it was

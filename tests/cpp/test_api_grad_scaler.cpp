@@ -221,8 +221,10 @@ TEST_P(ApiGradScaler, GrowthHysteresisAndBounds) {
   scaler.scale(a_loss(device()));
   set_grads(ps, random_grads(ps), 16.0);
   scaler.step(opt);
-  scaler.update(1000.0);
-  EXPECT_EQ(scaler.get_scale(), 1000.0);
+  // update(new_scale) keeps to the bounds too, as the Python front does.
+  expect_c10_error([&] { scaler.update(1000.0); }, {"GradScaler.update: invalid new_scale 1e+03;", "max_scale (128)"});
+  scaler.update(100.0);
+  EXPECT_EQ(scaler.get_scale(), 100.0);
 }
 
 TEST_P(ApiGradScaler, MisuseIsReported) {

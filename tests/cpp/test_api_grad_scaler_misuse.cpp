@@ -44,7 +44,9 @@ MIXPREC_INSTANTIATE_DEVICE_TESTS(ApiGradScalerMisuse);
 TEST_P(ApiGradScalerMisuse, BadOptionsAreRefusedNamingTheOptionAndWhatIsExpected) {
   using O = GradScalerOptions;
   const std::vector<std::pair<O, std::vector<std::string>>> cases = {
-      {O().init_scale(0.0), {"invalid init_scale 0;", "finite number > 0"}},
+      {O().init_scale(0.0), {"invalid init_scale 0;", "expected a normal float32 in [2^-126, 3.4028235e+38]"}},
+      {O().init_scale(1e-40), {"invalid init_scale 1e-40;"}},  // a float32 subnormal: 1/scale is inf
+      {O().init_scale(1e39), {"invalid init_scale 1e+39;"}},   // inf as a float32
       {O().init_scale(-2.0), {"invalid init_scale -2;"}},
       {O().init_scale(kNaN), {"invalid init_scale nan;"}},
       {O().init_scale(kInf), {"invalid init_scale inf;"}},
@@ -58,10 +60,11 @@ TEST_P(ApiGradScalerMisuse, BadOptionsAreRefusedNamingTheOptionAndWhatIsExpected
       {O().growth_interval(int64_t{1} << 31), {"invalid growth_interval 2147483648;"}},
       {O().hysteresis(0), {"invalid hysteresis 0;"}},
       {O().hysteresis(int64_t{1} << 31), {"invalid hysteresis 2147483648;"}},
-      {O().min_scale(-1.0), {"invalid min_scale -1;", "finite number >= 0"}},
+      {O().min_scale(-1.0), {"invalid min_scale -1;", "finite float32 >= 0"}},
       {O().min_scale(kNaN), {"invalid min_scale nan;"}},
       {O().min_scale(kInf), {"invalid min_scale inf;"}},
-      {O().max_scale(0.0), {"invalid max_scale 0;", "> 0"}},
+      {O().max_scale(0.0), {"invalid max_scale 0;", "normal float32"}},
+      {O().max_scale(kInf), {"invalid max_scale inf;"}},
       {O().max_scale(kNaN), {"invalid max_scale nan;"}},
       {O().min_scale(4.0).max_scale(2.0).init_scale(3.0), {"invalid max_scale 2;", ">= min_scale (4)"}},
       {O().init_scale(1.0).min_scale(2.0), {"invalid init_scale 1;", ">= min_scale (2)"}},
@@ -86,14 +89,21 @@ TEST_P(ApiGradScalerMisuse, UpdateWithABadNewScaleChangesNothing) {
   inject(ps[0].grad(), {3}, kInf);  // this iteration overflows: update() must still count it
   scaler.step(opt);
   const ScalerState before(scaler);
-  for (const double bad : {kNaN, kInf, -kInf, 0.0, -0.0, -8.0}) {
+  for (const double bad : {kNaN, kInf, -kInf, 0.0, -0.0, -8.0, 1e-40, 1e39}) {
     expect_c10_error([&] { scaler.update(bad); }, {"mixprec::amp::GradScaler.update: invalid new_scale",
-                                                   "expected a finite number > 0"});
+                                                   "expected a normal float32"});
     before.expect_same(scaler);
   }
   scaler.update(64.0);  // the iteration's record survived the refusals
   EXPECT_EQ(scaler.get_scale(), 64.0);
   EXPECT_EQ(scaler.skipped_steps(), before.skipped + 1);
+
+  // Outside the scaler's own bounds.
+  GradScaler bounded(GradScalerOptions().init_scale(256.0).min_scale(16.0).max_scale(1024.0));
+  bounded.scale(a_loss(device()));
+  expect_c10_error([&] { bounded.update(2048.0); }, {"GradScaler.update: invalid new_scale 2048;", "<= max_scale (1024)"});
+  expect_c10_error([&] { bounded.update(8.0); }, {"GradScaler.update: invalid new_scale 8;", ">= min_scale (16)"});
+  EXPECT_EQ(bounded.get_scale(), 256.0);
 }
 
 std::string scaler_checkpoint(double scale, int64_t growth, int64_t hysteresis_tracker, double max_scale) {
@@ -119,7 +129,8 @@ TEST_P(ApiGradScalerMisuse, CheckpointsOutOfRangeAreRefusedAndChangeNothing) {
   const int64_t big = int64_t{1} << 31;
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {scaler_checkpoint(8.0, big, 1, 1e6), {"'_growth_tracker' must be in [0, 2^31 - 1]"}},
-      {scaler_checkpoint(8.0, 0, big, 1e6), {"'_hysteresis_tracker' must be in [0, 2^31 - 1]"}},
+      {scaler_checkpoint(8.0, 0, 3, 1e6), {"'_hysteresis_tracker' must be in [0, hysteresis = 2], got 3"}},
+      {scaler_checkpoint(1e-40, 0, 1, 1e6), {"invalid init_scale 1e-40;"}},
       {scaler_checkpoint(4096.0, 0, 1, 1024.0), {"invalid init_scale 4096;", "<= max_scale (1024)"}},
       {scaler_checkpoint(kNaN, 0, 1, 1e6), {"invalid init_scale nan;"}},
   };
