@@ -199,33 +199,36 @@ void FusedOptimizer::init_state() {
 void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tensor>& params,
                                        const FusedOptions& options) const {
   // What the op itself would refuse, checked for every group before the first op runs: the op's
-  // own checks come one group at a time, after earlier groups have stepped.
-  const std::string gw = group_where(name_, index);
+  // own checks come one group at a time, after earlier groups have stepped. This runs on every
+  // step, so the checks are field reads and messages are built only on failure.
   const auto op_dtype = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
   for (size_t j = 0; j < params.size(); ++j) {
     const at::Tensor& p = params[j];
     const at::Tensor& g = p.grad();
-    const std::string pw = gw + ": params[" + std::to_string(j) + "]";
-    TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), pw, " has dtype ", p.scalar_type(),
+    const auto pw = [&] { return group_where(name_, index) + ": params[" + std::to_string(j) + "]"; };
+    TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), pw(), " has dtype ", p.scalar_type(),
                      "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(p.is_contiguous(), pw, " is not contiguous; expected a contiguous parameter");
-    TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), pw, ".grad has dtype ", g.scalar_type(),
+    TORCH_CHECK_VALUE(p.is_contiguous(), pw(), " is not contiguous; expected a contiguous parameter");
+    TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), pw(), ".grad has dtype ", g.scalar_type(),
                      "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(g.device() == p.device(), pw, ".grad is on ", g.device().str(), "; expected the parameter's ",
-                      p.device().str());
-    TORCH_CHECK_VALUE(g.sizes() == p.sizes(), pw, ".grad has shape ", detail::shape(g.sizes()),
+    TORCH_CHECK_VALUE(g.device() == p.device(), pw(), ".grad is on ", g.device().str(),
+                      "; expected the parameter's ", p.device().str());
+    TORCH_CHECK_VALUE(g.sizes() == p.sizes(), pw(), ".grad has shape ", detail::shape(g.sizes()),
                       "; expected the parameter's ", detail::shape(p.sizes()));
-    TORCH_CHECK_VALUE(g.is_contiguous(), pw, ".grad is not contiguous; expected a contiguous gradient");
+    TORCH_CHECK_VALUE(g.is_contiguous(), pw(), ".grad is not contiguous; expected a contiguous gradient");
     const auto it = state_.find(p.unsafeGetTensorImpl());
     auto* s = it == state_.end() ? nullptr : dynamic_cast<FusedParamState*>(it->second.get());
     if (s == nullptr) continue;
-    for (const auto& kv : s->defined_tensors()) {
-      const std::string sw = pw + " state['" + kv.first + "']";
-      const at::Tensor& t = kv.second;
-      checked_slot(sw, kv.first, t, p, options);
-      TORCH_CHECK_VALUE(t.device() == p.device(), sw, " is on ", t.device().str(), "; expected the parameter's ",
+    for (const auto& slot : s->slots()) {
+      const at::Tensor& t = *slot.second;
+      if (!t.defined()) continue;
+      const auto sw = [&] { return pw() + " state['" + slot.first + "']"; };
+      // float32 of the param's shape passes every family's rule; anything else gets the full check
+      // (the family's own rule, e.g. bfloat16 Adam moments) that load() applies.
+      if (t.scalar_type() != at::kFloat || t.sizes() != p.sizes()) checked_slot(sw(), slot.first, t, p, options);
+      TORCH_CHECK_VALUE(t.device() == p.device(), sw(), " is on ", t.device().str(), "; expected the parameter's ",
                         p.device().str());
-      TORCH_CHECK_VALUE(t.is_contiguous(), sw, " is not contiguous; expected a contiguous state tensor");
+      TORCH_CHECK_VALUE(t.is_contiguous(), sw(), " is not contiguous; expected a contiguous state tensor");
     }
   }
 }
