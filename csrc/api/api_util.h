@@ -61,6 +61,11 @@ inline void write_optional_double(torch::serialize::OutputArchive& archive, cons
   if (v) archive.write(key, c10::IValue(*v));
 }
 
+// "<optimizer>: param_groups[i]", the prefix of every error about one param group.
+inline std::string group_where(const std::string& name, size_t group) {
+  return name + ": param_groups[" + std::to_string(group) + "]";
+}
+
 // Hyper-parameter checks with the Python front's rules; errors name `where` and the field.
 inline void check_finite_nonneg(const std::string& where, const char* name, double v) {
   TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0, where, ": invalid ", name, " ", num(v), "; it must be finite and >= 0");

@@ -13,31 +13,66 @@
 #include <mixprec/optim/fused_optimizer.h>
 
 #include "api/api_util.h"
+#include "kernels/loss_scale.h"  // kScaleFloor
 
 namespace mixprec::amp {
 
 namespace {
 constexpr const char* kName = "mixprec::amp::GradScaler";
 
-void check_options(const GradScalerOptions& o, const std::string& where) {
-  TORCH_CHECK_VALUE(std::isfinite(o.init_scale()) && o.init_scale() > 0, where, ": init_scale must be finite and > 0, got ",
-                    detail::num(o.init_scale()));
-  TORCH_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1, where,
-                    ": growth_factor must be > 1, got ", detail::num(o.growth_factor()));
-  TORCH_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1, where, ": backoff_factor must be in (0, 1), got ",
-                    detail::num(o.backoff_factor()));
-  TORCH_CHECK_VALUE(o.growth_interval() >= 1, where, ": growth_interval must be >= 1, got ",
-                    detail::num(o.growth_interval()));
-  TORCH_CHECK_VALUE(o.hysteresis() >= 1, where, ": hysteresis must be >= 1, got ", detail::num(o.hysteresis()));
-  if (o.min_scale())
-    TORCH_CHECK_VALUE(std::isfinite(*o.min_scale()) && *o.min_scale() >= 0, where,
-                      ": min_scale must be finite and >= 0, got ", detail::num(*o.min_scale()));
-  if (o.max_scale())
-    TORCH_CHECK_VALUE(*o.max_scale() > 0, where, ": max_scale must be > 0, got ", detail::num(*o.max_scale()));
-  if (o.min_scale() && o.max_scale())
-    TORCH_CHECK_VALUE(*o.max_scale() >= *o.min_scale(), where, ": max_scale (",
-                      detail::num(*o.max_scale()), ") must be >= min_scale (", detail::num(*o.min_scale()), ")");
+// A loss scale must survive the float32 scale tensor, as the Python front requires: positive,
+// normal and finite (one that rounds to a subnormal, 0 or inf makes every unscaled gradient
+// inf/NaN). kScaleFloor is also the lowest scale a backoff reaches.
+constexpr double kMaxFloat = 3.4028234663852886e38;
+void check_scale(const std::string& where, const char* name, double v) {
+  TORCH_CHECK_VALUE(v >= kernels::kScaleFloor && v <= kMaxFloat, where, ": invalid ", name, " ", detail::num(v),
+                    "; expected a normal float32 in [2^-126, 3.4028235e+38]");
 }
+
+// min_scale <= `name` <= max_scale where those are given.
+void check_bounds(const GradScalerOptions& o, const std::string& where, const char* name, double v) {
+  if (o.min_scale())
+    TORCH_CHECK_VALUE(v >= *o.min_scale(), where, ": invalid ", name, " ", detail::num(v),
+                      "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
+  if (o.max_scale())
+    TORCH_CHECK_VALUE(v <= *o.max_scale(), where, ": invalid ", name, " ", detail::num(v),
+                      "; expected a number <= max_scale (", detail::num(*o.max_scale()), ")");
+}
+
+// Every option, before anything is written: errors name `where` (the GradScaler call), the option
+// and what is expected. The op takes growth_interval and hysteresis as 32-bit integers.
+void check_options(const GradScalerOptions& o, const std::string& where) {
+  constexpr int64_t kInt32Max = 2147483647;
+  check_scale(where, "init_scale", o.init_scale());
+  TORCH_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1, where, ": invalid growth_factor ",
+                    detail::num(o.growth_factor()), "; expected a finite number > 1");
+  TORCH_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1, where, ": invalid backoff_factor ",
+                    detail::num(o.backoff_factor()), "; expected a number in (0, 1)");
+  TORCH_CHECK_VALUE(o.growth_interval() >= 1 && o.growth_interval() <= kInt32Max, where, ": invalid growth_interval ",
+                    detail::num(o.growth_interval()), "; expected an integer in [1, 2^31 - 1]");
+  TORCH_CHECK_VALUE(o.hysteresis() >= 1 && o.hysteresis() <= kInt32Max, where, ": invalid hysteresis ",
+                    detail::num(o.hysteresis()), "; expected an integer in [1, 2^31 - 1]");
+  if (o.min_scale())
+    TORCH_CHECK_VALUE(*o.min_scale() >= 0 && *o.min_scale() <= kMaxFloat, where, ": invalid min_scale ",
+                      detail::num(*o.min_scale()), "; expected a finite float32 >= 0");
+  if (o.max_scale()) check_scale(where, "max_scale", *o.max_scale());
+  if (o.min_scale() && o.max_scale())
+    TORCH_CHECK_VALUE(*o.max_scale() >= *o.min_scale(), where, ": invalid max_scale ", detail::num(*o.max_scale()),
+                      "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
+  check_bounds(o, where, "init_scale", o.init_scale());
+}
+
+// 1 (float32, on the scale's device) when the scale cannot unscale: its float32 inverse is inf,
+// NaN, 0 or negative (a scale of 0, NaN, inf, a tiny subnormal, or negative). Counted as an
+// overflow, so the step is skipped and update() backs off (or keeps a NaN scale NaN), without
+// a host sync. The unscale op flags most of these itself; the fused optimizers' kernels, which
+// divide by the scale, and torch's op for other grads do not.
+at::Tensor bad_scale_flag(const at::Tensor& inv_scale) {
+  return at::logical_and(inv_scale.isfinite(), inv_scale.gt(0)).logical_not().to(at::kFloat);
+}
+
+// The reciprocal in float64, then rounded, as torch.amp.GradScaler does (bit-equal unscaling).
+at::Tensor scale_inverse(const at::Tensor& scale) { return scale.to(at::kDouble).reciprocal().to(at::kFloat); }
 
 bool op_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 }  // namespace
@@ -137,9 +172,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(st.stage != Stage::kUnscaled, kName,
               ": unscale_() has already been called on this optimizer since the last update()");
   TORCH_CHECK(st.stage != Stage::kStepped, kName, ": unscale_() is being called after step()");
-  // The reciprocal in float64, then rounded, as torch.amp.GradScaler does (bit-equal unscaling).
-  const at::Tensor inv = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
+  const at::Tensor inv = scale_inverse(scale_);
   st.found_inf_per_device = check_grads(optimizer, inv);
+  if (!st.found_inf_per_device.empty()) st.found_inf_per_device.push_back(bad_scale_flag(inv));
   st.stage = Stage::kUnscaled;
 }
 
@@ -151,7 +186,10 @@ at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer) {
 
   if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer)) {
     // The kernel unscales (unless unscale_() already did) and skips on the device.
-    if (st.stage == Stage::kReady) st.found_inf_per_device = check_grads(optimizer, std::nullopt);
+    if (st.stage == Stage::kReady) {
+      st.found_inf_per_device = check_grads(optimizer, std::nullopt);
+      if (!st.found_inf_per_device.empty()) st.found_inf_per_device.push_back(bad_scale_flag(scale_inverse(scale_)));
+    }
     const at::Tensor found = combined_found(st.found_inf_per_device);
     optim::GradScaling scaling;
     if (st.stage == Stage::kReady) scaling.grad_scale = scale_;
@@ -197,8 +235,9 @@ void GradScaler::update() {
 void GradScaler::update(double new_scale) {
   if (!options_.enabled()) return;
   check_initialized("update");
-  TORCH_CHECK_VALUE(std::isfinite(new_scale) && new_scale > 0, kName, ": new_scale must be finite and > 0, got ",
-                    detail::num(new_scale));
+  const std::string where = std::string(kName) + ".update";
+  check_scale(where, "new_scale", new_scale);
+  check_bounds(options_, where, "new_scale", new_scale);
   std::vector<at::Tensor> found;
   for (const auto& kv : per_optimizer_)
     for (const auto& f : kv.second.found_inf_per_device) found.push_back(f);
@@ -261,8 +300,11 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   const int64_t skipped = read_int(archive, "_skipped_steps", where);
   o.init_scale(scale);
   check_options(o, where);
-  TORCH_CHECK_VALUE(growth >= 0, where, ": '_growth_tracker' must be >= 0, got ", detail::num(growth));
-  TORCH_CHECK_VALUE(hysteresis_tracker >= 0, where, ": '_hysteresis_tracker' must be >= 0, got ",
+  // The trackers are int32 on the device.
+  TORCH_CHECK_VALUE(growth >= 0 && growth <= 2147483647, where, ": '_growth_tracker' must be in [0, 2^31 - 1], got ",
+                    detail::num(growth));
+  TORCH_CHECK_VALUE(hysteresis_tracker >= 0 && hysteresis_tracker <= o.hysteresis(), where,
+                    ": '_hysteresis_tracker' must be in [0, hysteresis = ", detail::num(o.hysteresis()), "], got ",
                     detail::num(hysteresis_tracker));
   TORCH_CHECK_VALUE(skipped >= 0, where, ": '_skipped_steps' must be >= 0, got ", detail::num(skipped));
 

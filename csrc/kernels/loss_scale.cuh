@@ -48,7 +48,7 @@ struct PairWord<__nv_bfloat16> {
 constexpr uint32_t kPairSignBits = 0x80008000u;
 
 // One pass per chunk: read each gradient once, flag non-finite values (tested before scaling,
-// as torch does), and when asked write g * inv_scale to the output list (in place or another
+// as torch does) and a bad inv_scale (is_bad_inv_scale: torch does not test it), and when asked write g * inv_scale to the output list (in place or another
 // dtype). The check-only form (NLists == 1, no scale) reads and never writes.
 template <int NLists, typename TIn, typename TOut>
 struct UnscaleOp {
@@ -90,7 +90,7 @@ struct UnscaleOp {
     TIn* out = NLists == 2 ? chunk_ptr<TIn>(table, c, NLists - 1) : nullptr;
     const float s = inv_scale != nullptr ? *inv_scale : 1.f;
     uint32_t acc = 0;
-    bool bad = false;
+    bool bad = inv_scale != nullptr && is_bad_inv_scale(s);
     for_each_vector_group<N>(c.n, [&](int64_t base, int stride) {
       uint4 v[kIlp];
 #pragma unroll
@@ -134,7 +134,7 @@ struct UnscaleOp {
     constexpr int N = vec_elems<TIn, TOut>();
     const TIn* in = chunk_ptr<TIn>(table, c, 0);
     const float s = inv_scale != nullptr ? *inv_scale : 1.f;
-    bool bad = false;
+    bool bad = inv_scale != nullptr && is_bad_inv_scale(s);
     for_each_vector_group<N>(c.n, [&](int64_t base, int stride) {
       float x[kIlp][N];
 #pragma unroll

@@ -12,10 +12,18 @@ namespace mixprec::kernels {
 // A group with num_lists == 1 and inv_scale == nullptr is the read-only check.
 struct UnscaleParams {
   const TensorGroup* group = nullptr;
-  float* found_inf = nullptr;         // set to 1 when any element is inf or NaN; may be null
+  // Set to 1 when any element is inf or NaN, or (with inv_scale) when inv_scale itself is inf,
+  // NaN or zero: a scale of 0, inf or NaN must never let its products reach an optimizer step.
+  float* found_inf = nullptr;         // may be null
   const float* inv_scale = nullptr;   // device scalar multiplied in; null: check only
   float* per_tensor_found = nullptr;  // [num args] set to 1 for each tensor holding inf/NaN
 };
+
+// Whether a multiplier read from inv_scale makes the unscaled gradients meaningless: inf, NaN
+// (the scale was 0 or NaN) or zero (the scale was inf). Such a call flags every tensor it visits.
+MIXPREC_HOST_DEVICE inline bool is_bad_inv_scale(float s) {
+  return !(s - s == 0.f) || s == 0.f;  // s - s is NaN exactly for inf and NaN
+}
 
 // Runs chunks [chunk_begin, chunk_end) of p.group on the calling thread.
 void non_finite_check_and_unscale_cpu(const UnscaleParams& p, int64_t chunk_begin, int64_t chunk_end);
@@ -39,6 +47,11 @@ struct ScaleUpdateParams {
   double max_scale = 0.0;  // 0: unbounded (only kept finite, as torch does)
 };
 
+// The lowest scale a backoff produces whatever min_scale says: the smallest positive normal
+// float32 (FLT_MIN, 2^-126). Without it 180 overflows in a row take 65536 to 0, whose inverse is
+// inf; at 2^-126 the inverse (2^126) is still finite.
+constexpr double kScaleFloor = 1.1754943508222875e-38;
+
 // The scale update itself, shared verbatim by the CPU function and the one-thread CUDA kernel.
 MIXPREC_HOST_DEVICE inline void update_scale_step(const ScaleUpdateParams& p) {
   const float scale = *p.scale;
@@ -48,7 +61,10 @@ MIXPREC_HOST_DEVICE inline void update_scale_step(const ScaleUpdateParams& p) {
     // Hysteresis: back off only on the hysteresis-th overflow since the last change of scale.
     int32_t tolerated = p.hysteresis_tracker != nullptr ? *p.hysteresis_tracker - 1 : 0;
     if (tolerated <= 0) {
-      *p.scale = static_cast<float>(fmax(static_cast<double>(scale) * p.backoff_factor, p.min_scale));
+      // A NaN scale stays NaN, as in torch (fmax would turn it into the floor): every step with it
+      // is skipped, since its inverse is NaN, and the weights stay as they were.
+      if (scale == scale)
+        *p.scale = static_cast<float>(fmax(static_cast<double>(scale) * p.backoff_factor, fmax(p.min_scale, kScaleFloor)));
       tolerated = p.hysteresis;
     }
     if (p.hysteresis_tracker != nullptr) *p.hysteresis_tracker = tolerated;

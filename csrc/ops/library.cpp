@@ -29,13 +29,16 @@ TORCH_LIBRARY(mixprec, m) {
   // every element by it: into `out` (same shapes, any float dtype) when given, else in place.
   // Without inv_scale it only reads. per_tensor_found[i] is set to 1 for each grads[i] holding
   // inf/NaN, in the same pass. found_inf may be None for pure scaling (gradient clipping).
+  // An inv_scale that is inf, NaN or zero (scale 0, NaN or inf) also sets both flags: torch
+  // does not test it, but its products must never reach a step.
   m.def(
       "non_finite_check_and_unscale_(Tensor(a!)[] grads, Tensor(b!)? found_inf, Tensor? inv_scale, "
       "Tensor(c!)[] out, Tensor(d!)? per_tensor_found=None) -> ()");
   // Dynamic loss-scale update on the device: on overflow the scale backs off after `hysteresis`
-  // overflows (tracked by hysteresis_tracker) but not below min_scale; after growth_interval
+  // overflows (tracked by hysteresis_tracker) but not below min_scale nor below 2^-126 (the
+  // smallest normal float32, where torch reaches 0); a NaN scale stays NaN. After growth_interval
   // clean steps it grows, capped at max_scale (0: no cap). skipped_steps (int64) counts
-  // overflows. With hysteresis 1 and no bounds it equals torch._amp_update_scale_.
+  // overflows. With hysteresis 1 and no bounds it equals torch._amp_update_scale_ (above 2^-126).
   m.def(
       "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!)? hysteresis_tracker, "
       "Tensor(d!)? skipped_steps, Tensor found_inf, float growth_factor, float backoff_factor, "

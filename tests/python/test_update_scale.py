@@ -11,13 +11,16 @@ import mixprec
 from conftest import assert_bitwise_equal, check_rejected, scalar
 from test_loss_scale import f32  # shared helpers
 
+FLOOR = 2.0**-126  # kernels::kScaleFloor: no backoff goes below the smallest normal float32
+
 
 # ---- update_scale_ -----------------------------------------------------------------------------------
 
 
 class RefScaler:
     """The scale-update rule of csrc/kernels/loss_scale.h in float64 Python, stored as the op
-    stores it (float32 scale, int32 trackers), counting which branch of the rule fired."""
+    stores it (float32 scale, int32 trackers), counting which branch of the rule fired. A backoff
+    stops at max(min_scale, FLOOR); a NaN scale never changes."""
 
     def __init__(self, scale, growth_factor, backoff_factor, growth_interval, hysteresis=1, min_scale=0.0,
                  max_scale=0.0, tracked=False):
@@ -26,6 +29,7 @@ class RefScaler:
         self.hysteresis, self.min_scale, self.max_scale, self.tracked = hysteresis, min_scale, max_scale, tracked
         self.growth, self.left, self.skipped = 0, hysteresis, 0
         self.growths = self.backoffs = self.tolerated = self.min_clamps = self.max_clamps = self.inf_blocked = 0
+        self.floor_clamps = 0
 
     def step(self, found: float) -> None:
         if found != 0.0 or math.isnan(found):
@@ -39,7 +43,10 @@ class RefScaler:
             backed = self.scale * self.bf
             if backed < self.min_scale:
                 self.min_clamps += 1
-            self.scale = f32(max(backed, self.min_scale))
+            if backed < FLOOR:
+                self.floor_clamps += 1
+            if not math.isnan(self.scale):  # NaN stays NaN
+                self.scale = f32(max(backed, self.min_scale, FLOOR))
             self.left = self.hysteresis
             self.backoffs += 1
             return
@@ -81,7 +88,9 @@ class DeviceScaler:
         state = (self.scale.item(), self.growth.item(), None if self.left is None else self.left.item(),
                  self.skipped.item(), self.found.item())
         want = (r.scale, r.growth, r.left if r.tracked else None, self.skipped_start + r.skipped, found)
-        assert state[:4] == want[:4], f"{what}: (scale, growth, hysteresis left, skipped) {state[:4]} != {want[:4]}"
+        same_scale = state[0] == want[0] or (math.isnan(state[0]) and math.isnan(want[0]))
+        assert same_scale and state[1:4] == want[1:4], \
+            f"{what}: (scale, growth, hysteresis left, skipped) {state[:4]} != {want[:4]}"
         assert state[4] == want[4] or (math.isnan(state[4]) and math.isnan(found)), f"{what}: found_inf was written"
 
 
@@ -111,6 +120,7 @@ def test_update_scale_equals_torch_amp_update_scale(device, rng):
             found.fill_(v)
             mixprec.update_scale_(ours, ours_g, found, gf, bf, interval)
             torch._amp_update_scale_(theirs, theirs_g, found, gf, bf, interval)
+            theirs.clamp_(min=FLOOR)  # torch's rule with the floor (small random backoffs reach it)
             assert_bitwise_equal(ours.cpu(), theirs.cpu(), f"trial {trial} step {s}: scale")
             assert_bitwise_equal(ours_g.cpu(), theirs_g.cpu(), f"trial {trial} step {s}: growth_tracker")
 
@@ -167,12 +177,8 @@ def test_update_scale_follows_the_rule(device, config, rng):
     if lo > 0:
         drive(1.0, lambda: ref.min_clamps > 0)
     if hi > 0:
-        if f32(ref.scale * ref.gf) == ref.scale:
-            # Random backoff factors with no floor can take the scale to 0 or to the smallest
-            # denormals, where growth rounds back to the same value (seeds 15, 28, 31): the rule
-            # is followed, but max_scale is never reached. Restart both from the initial scale.
-            ref.scale, ref.growth, ref.left, ref.skipped = f32(init), 0, ref.hysteresis, 0
-            dev = DeviceScaler(ref, device)
+        # Random backoff factors once took the scale to 0 or to the smallest denormals, where
+        # growth rounds back to the same value (seeds 15, 28, 31); the floor keeps it growable.
         drive(0.0, lambda: ref.max_clamps > 0)
     if config == "near_inf":
         drive(0.0, lambda: ref.inf_blocked > 0)
@@ -189,6 +195,38 @@ def test_update_scale_never_grows_into_inf(device):
     growth = torch.zeros(1, dtype=torch.int32, device=device)
     mixprec.update_scale_(scale, growth, scalar(0.0, device), 2.0, 0.5, 1)
     assert scale.item() == torch.finfo(torch.float32).max and growth.item() == 0
+
+
+@pytest.mark.parametrize("min_scale", [0.0, 1e-40, 2.0**-100])
+@pytest.mark.parametrize("tracked", [False, True])
+def test_200_overflows_in_a_row_stop_at_the_floor_and_grow_back(device, min_scale, tracked, rng):
+    # torch reaches 0 after 180 halvings of 65536 (inv_scale inf, NaN grads from then on); here the
+    # scale stops at max(min_scale, 2^-126), a subnormal min_scale included, and grows back.
+    bf = rng.choice([0.5, f32(rng.uniform(0.05, 0.5))])  # 200 backoffs reach 2^-126 from 65536
+    ref = RefScaler(65536.0, 2.0, bf, 3, 2 if tracked else 1, min_scale=min_scale, tracked=tracked)
+    dev = DeviceScaler(ref, device)
+    for s in range(200 * ref.hysteresis):  # 200 backoffs
+        dev.step(1.0, f"overflow {s}")
+    floor = f32(max(min_scale, FLOOR))
+    assert dev.scale.item() == floor and floor > 0 and ref.floor_clamps + ref.min_clamps > 0
+    assert math.isfinite(1.0 / dev.scale.item())
+    for s in range(3):
+        dev.step(0.0, f"clean {s}")
+    assert dev.scale.item() == f32(floor * 2.0)
+
+
+@pytest.mark.parametrize("start", [math.nan, 0.0, -0.0, math.inf])
+def test_nan_scale_stays_nan_and_zero_or_inf_scales_follow_the_rule(device, start, rng):
+    # NaN: every branch leaves it NaN (torch keeps it too; it used to become 0). 0 and -0 back off
+    # to the floor, where growth works again; inf stays inf (its inverse 0 is flagged upstream).
+    ref = RefScaler(start, 2.0, 0.5, 2, 2, tracked=True)
+    dev = DeviceScaler(ref, device)
+    for s, v in enumerate(overflow_pattern(rng, 40, 2, 2, (1.0, math.nan))):
+        dev.step(v, f"start {start} step {s}")  # compares every field with the reference
+        if math.isnan(start):
+            assert math.isnan(dev.scale.item())
+    if start == 0.0:
+        assert ref.floor_clamps > 0 and dev.scale.item() >= FLOOR
 
 
 @pytest.mark.parametrize("tracked", [False, True])

@@ -19,7 +19,8 @@ const char* built_torch_version();
 inline const char* const kLinkedAgainstTorch = built_torch_version();
 }  // namespace detail
 // Sets found_inf to 1 if any grad holds inf/NaN; with inv_scale also multiplies the grads by it,
-// in place or into `out`; per_tensor_found[i] = 1 for each grad i that held inf/NaN.
+// in place or into `out`; per_tensor_found[i] = 1 for each grad i that held inf/NaN. An
+// inv_scale of inf, NaN or 0 counts as inf/NaN in every (non-empty) grad.
 inline void non_finite_check_and_unscale_(at::TensorList grads, const std::optional<at::Tensor>& found_inf,
                                           const std::optional<at::Tensor>& inv_scale = std::nullopt,
                                           at::TensorList out = {},
@@ -46,7 +47,8 @@ struct ScaleUpdateOptions {
   double max_scale = 0.0;  // 0: no cap
 };
 
-// Dynamic loss-scale update on the device (see library.cpp for the exact rule).
+// Dynamic loss-scale update on the device (see library.cpp for the exact rule): a backoff never
+// goes below 2^-126 (kernels::kScaleFloor) even with min_scale 0, and a NaN scale stays NaN.
 inline void update_scale_(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& found_inf,
                           const ScaleUpdateOptions& options = {},
                           const std::optional<at::Tensor>& hysteresis_tracker = std::nullopt,

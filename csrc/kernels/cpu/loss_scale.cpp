@@ -78,10 +78,11 @@ void non_finite_check_and_unscale_cpu(const UnscaleParams& p, int64_t chunk_begi
   // One group has one dtype per list, so the instantiation is chosen once per range of chunks.
   const SpanFn span = pick_span(g.dtypes[0], write ? g.dtypes[1] : g.dtypes[0], write);
   const float s = p.inv_scale != nullptr ? *p.inv_scale : 1.f;
+  const bool bad_scale = p.inv_scale != nullptr && is_bad_inv_scale(s);
   for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const ChunkRef c = resolve_chunk(g, chunk);
     const bool bad = span(g.ptrs[0][c.tensor], write ? g.ptrs[1][c.tensor] : nullptr, c.begin, c.size, s);
-    if (bad) {
+    if (bad || bad_scale) {
       // Several threads may store the same 1.f; plain stores of one value are what the CUDA
       // kernel does too, and every reader runs after the parallel region has joined.
       if (p.found_inf != nullptr) *p.found_inf = 1.f;

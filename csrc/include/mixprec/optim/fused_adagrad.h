@@ -40,6 +40,8 @@ struct FusedAdagradParamState : public FusedCloneableParamState<FusedAdagradPara
 };
 
 class FusedAdagrad : public FusedOptimizer {
+  MIXPREC_FUSED_OPTIMIZER_CLONE(FusedAdagrad, FusedAdagradOptions)
+
  public:
   explicit FusedAdagrad(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                         FusedAdagradOptions defaults = {});

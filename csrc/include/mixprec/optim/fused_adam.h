@@ -55,6 +55,8 @@ struct FusedAdamParamState : public FusedCloneableParamState<FusedAdamParamState
 };
 
 class FusedAdam : public FusedOptimizer {
+  MIXPREC_FUSED_OPTIMIZER_CLONE(FusedAdam, FusedAdamOptions)
+
  public:
   explicit FusedAdam(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                      FusedAdamOptions defaults = {});
@@ -78,6 +80,8 @@ class FusedAdam : public FusedOptimizer {
 // AdamW: FusedAdam with decoupled weight decay, defaulting to torch::optim::AdamW's 1e-2. A
 // drop-in for torch::optim::AdamW (same update; fp32 results agree to rounding).
 class FusedAdamW : public FusedAdam {
+  MIXPREC_FUSED_OPTIMIZER_CLONE(FusedAdamW, FusedAdamOptions)
+
  public:
   explicit FusedAdamW(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                       FusedAdamOptions defaults = FusedAdamWOptions());

@@ -51,6 +51,8 @@ struct FusedLAMBParamState : public FusedCloneableParamState<FusedLAMBParamState
 // Each step first takes the unscaled L2 norm of every gradient of every group together (on the
 // device), then per group the Adam moments and the trust-ratio update (see fused_lamb.py).
 class FusedLAMB : public FusedOptimizer {
+  MIXPREC_FUSED_OPTIMIZER_CLONE(FusedLAMB, FusedLAMBOptions)
+
  public:
   explicit FusedLAMB(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                      FusedLAMBOptions defaults = {});

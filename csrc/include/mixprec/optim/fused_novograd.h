@@ -48,6 +48,8 @@ struct FusedNovoGradParamState : public FusedCloneableParamState<FusedNovoGradPa
 // Each group's per-tensor second moments live in one float32 vector, the group tensor
 // "exp_avg_sq" (one entry per param of the group), as in the Python front.
 class FusedNovoGrad : public FusedOptimizer {
+  MIXPREC_FUSED_OPTIMIZER_CLONE(FusedNovoGrad, FusedNovoGradOptions)
+
  public:
   explicit FusedNovoGrad(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
                          FusedNovoGradOptions defaults = {});

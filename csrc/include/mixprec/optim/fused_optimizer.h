@@ -69,7 +69,9 @@ struct GradScaling {
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   // Runs `closure` (with grad enabled) if given, then one fused op per param group over the
-  // params that have a gradient. Nothing here waits on the device.
+  // params that have a gradient. Nothing here waits on the device. Every group's options, grads
+  // (dense, contiguous, float32/16/bf16, the param's shape and device) and state tensors are
+  // checked before any group steps: a refused step changes no param, state or step count.
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   // Adds a group; fields of its options left at their constructor defaults come from the
@@ -87,6 +89,14 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // load() validates all of it against this optimizer's params before changing anything.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+
+  // An independent copy bound to `params` (one per parameter of this optimizer, in group order,
+  // each of the dtype and shape of the one it replaces; any device): the same groups and options,
+  // deep copies of every state tensor (moments, masters) and step count, moved to the new
+  // params' devices. torch::optim has no clone; this is what copying an optimizer means here.
+  // The loss-scaling hand-off (set_grad_scaling) is not copied. Each family's clone() returns its
+  // own type (see MIXPREC_FUSED_OPTIMIZER_CLONE).
+  std::unique_ptr<FusedOptimizer> clone_base(const std::vector<at::Tensor>& params) const;
 
   // "mixprec::optim::FusedAdam" etc., the prefix of every error message.
   const std::string& name() const noexcept { return name_; }
@@ -112,6 +122,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
                  std::unique_ptr<FusedOptions> defaults);
 
   // ---- what each family implements ----
+  // A new optimizer of the family over `groups` with this one's defaults (for clone_base).
+  virtual std::unique_ptr<FusedOptimizer> make_empty(
+      const std::vector<torch::optim::OptimizerParamGroup>& groups) const = 0;
   virtual std::unique_ptr<FusedParamState> make_state() const = 0;
   virtual std::unique_ptr<FusedOptions> make_options() const = 0;  // defaults, for load()
   virtual const FusedOptions* cast_options(const torch::optim::OptimizerOptions& o) const = 0;
@@ -129,6 +142,11 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // Checks a loaded group tensor other than "step" (NovoGrad's exp_avg_sq); returns it converted.
   virtual at::Tensor checked_group_tensor(const std::string& where, const std::string& key, const at::Tensor& value,
                                           const torch::optim::OptimizerParamGroup& group) const;
+
+  // The checks load() and step() share for one state tensor of `param`: floating point, the
+  // param's shape, float32 masters, the family's dtype rule; returns it as load() stores it.
+  at::Tensor checked_slot(const std::string& where, const std::string& key, const at::Tensor& value,
+                          const at::Tensor& param, const FusedOptions& options) const;
 
   // ---- helpers for families ----
   // A clone of a group's `given` options completed from the defaults and checked.
@@ -155,6 +173,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // Creates `p`'s state object, its master (with master weights) and the family's tensors.
   void ensure_state(const at::Tensor& p, const FusedOptions& options);
   void sync_group_slots() const;
+  // Refuses what would make group `index`'s op throw half-way through step(): run for every group
+  // before any steps.
+  void check_step_inputs(size_t index, const std::vector<at::Tensor>& params, const FusedOptions& options) const;
 
   std::string name_;
   GradScaling scaling_;
@@ -166,3 +187,17 @@ class FusedOptimizer : public torch::optim::Optimizer {
 };
 
 }  // namespace mixprec::optim
+
+// In a family's class body: clone(params) returning the family's own type, and the factory that
+// FusedOptimizer::clone_base calls (a new `Family` with this one's defaults, of class `Options`).
+#define MIXPREC_FUSED_OPTIMIZER_CLONE(Family, Options)                                                      \
+ public:                                                                                                   \
+  std::unique_ptr<Family> clone(const std::vector<at::Tensor>& params) const {                             \
+    return std::unique_ptr<Family>(static_cast<Family*>(clone_base(params).release()));                    \
+  }                                                                                                        \
+                                                                                                           \
+ protected:                                                                                                \
+  std::unique_ptr<FusedOptimizer> make_empty(const std::vector<torch::optim::OptimizerParamGroup>& groups) \
+      const override {                                                                                     \
+    return std::make_unique<Family>(groups, static_cast<const Options&>(*defaults_));                     \
+  }

@@ -40,6 +40,8 @@ struct FusedSGDParamState : public FusedCloneableParamState<FusedSGDParamState> 
 
 // torch::optim::SGD's numerics (a new momentum buffer starts as the gradient itself).
 class FusedSGD : public FusedOptimizer {
+  MIXPREC_FUSED_OPTIMIZER_CLONE(FusedSGD, FusedSGDOptions)
+
  public:
   explicit FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, FusedSGDOptions defaults);
   explicit FusedSGD(std::vector<at::Tensor> params, FusedSGDOptions defaults);
