@@ -293,6 +293,10 @@ class GradScaler(ScalerStateFront):
         kwargs_ = kwargs
         has_grad_scaler_kwarg = _takes_grad_scaler(optimizer.step)
         optimizer_state = self._opt_state(optimizer)
+        existed = id(optimizer) in self._per_optimizer_states
+        # Recorded before the step: an optimizer taking grad_scaler= records its own inf check
+        # (_check_inf_per_device) here, which update() reads.
+        self._per_optimizer_states[id(optimizer)] = optimizer_state
         if has_grad_scaler_kwarg:
             _dist.rank0_warn(
                 "GradScaler is going to stop passing itself as a keyword argument to the passed "
@@ -302,8 +306,6 @@ class GradScaler(ScalerStateFront):
             )
             kwargs_.update({"grad_scaler": self})
         else:
-            existed = id(optimizer) in self._per_optimizer_states
-            self._per_optimizer_states[id(optimizer)] = optimizer_state
             if optimizer_state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
             scale = self._get_scale_async()
@@ -325,7 +327,7 @@ class GradScaler(ScalerStateFront):
         try:
             retval = optimizer.step(*args, **kwargs_)
         except BaseException:
-            if not has_grad_scaler_kwarg and not existed:  # the optimizer refused: no record of this try
+            if not existed:  # the optimizer refused: no record of this try
                 self._per_optimizer_states.pop(id(optimizer), None)
             raise
         finally:
