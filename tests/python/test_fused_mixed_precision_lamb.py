@@ -204,16 +204,20 @@ def _twin(opt, params, reduced):
     return twins, FusedMixedPrecisionLamb(groups, lr=1e-2, reduced_precision_dtype=reduced)
 
 
+def _through_a_file(state_dict):
+    """A checkpoint as torch.save writes it and torch.load(weights_only=True) reads it back."""
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+
+
 def test_state_dict_round_trip_and_copies_resume_bit_identically(device, gen):
     dtype = torch.bfloat16
     params, split, opt = _make(device, gen, dtype, dtype, step=5)
     for _ in range(3):
         _set_grads(params, gen, device)
         opt.step()
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=True)
+    loaded = _through_a_file(opt.state_dict())
     twins, opt2 = _twin(opt, params, dtype)
     opt2.load_state_dict(loaded)
     loaded["param_groups"][0]["lr"].fill_(123.0)  # the loaded optimizer owns its scalars
