@@ -66,6 +66,17 @@ inline std::string group_where(const std::string& name, size_t group) {
   return name + ": param_groups[" + std::to_string(group) + "]";
 }
 
+// "<name>: param_groups[g]: params[i]", for errors about one parameter (built only on failure
+// when passed to TORCH_CHECK, whose message arguments are evaluated only then).
+inline std::string param_where(const std::string& name, size_t group, size_t index) {
+  return group_where(name, group) + ": params[" + std::to_string(index) + "]";
+}
+
+// The same for one of that parameter's state tensors: "... params[i] state['key']".
+inline std::string state_where(const std::string& name, size_t group, size_t index, const std::string& key) {
+  return param_where(name, group, index) + " state['" + key + "']";
+}
+
 // Hyper-parameter checks with the Python front's rules; errors name `where` and the field.
 inline void check_finite_nonneg(const std::string& where, const char* name, double v) {
   TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0, where, ": invalid ", name, " ", num(v), "; it must be finite and >= 0");

@@ -13,6 +13,8 @@
 namespace mixprec::optim {
 
 using detail::api::group_where;
+using detail::api::param_where;
+using detail::api::state_where;
 
 // ---- FusedParamState ------------------------------------------------------------------------
 std::vector<std::pair<std::string, at::Tensor>> FusedParamState::defined_tensors() const {
@@ -205,30 +207,33 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
   for (size_t j = 0; j < params.size(); ++j) {
     const at::Tensor& p = params[j];
     const at::Tensor& g = p.grad();
-    const auto pw = [&] { return group_where(name_, index) + ": params[" + std::to_string(j) + "]"; };
-    TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), pw(), " has dtype ", p.scalar_type(),
+    TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
                      "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(p.is_contiguous(), pw(), " is not contiguous; expected a contiguous parameter");
-    TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), pw(), ".grad has dtype ", g.scalar_type(),
+    TORCH_CHECK_VALUE(p.is_contiguous(), param_where(name_, index, j),
+                      " is not contiguous; expected a contiguous parameter");
+    TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), param_where(name_, index, j), ".grad has dtype ", g.scalar_type(),
                      "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(g.device() == p.device(), pw(), ".grad is on ", g.device().str(),
+    TORCH_CHECK_VALUE(g.device() == p.device(), param_where(name_, index, j), ".grad is on ", g.device().str(),
                       "; expected the parameter's ", p.device().str());
-    TORCH_CHECK_VALUE(g.sizes() == p.sizes(), pw(), ".grad has shape ", detail::shape(g.sizes()),
-                      "; expected the parameter's ", detail::shape(p.sizes()));
-    TORCH_CHECK_VALUE(g.is_contiguous(), pw(), ".grad is not contiguous; expected a contiguous gradient");
+    TORCH_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ",
+                      detail::shape(g.sizes()), "; expected the parameter's ", detail::shape(p.sizes()));
+    TORCH_CHECK_VALUE(g.is_contiguous(), param_where(name_, index, j),
+                      ".grad is not contiguous; expected a contiguous gradient");
     const auto it = state_.find(p.unsafeGetTensorImpl());
     auto* s = it == state_.end() ? nullptr : dynamic_cast<FusedParamState*>(it->second.get());
     if (s == nullptr) continue;
     for (const auto& slot : s->slots()) {
       const at::Tensor& t = *slot.second;
       if (!t.defined()) continue;
-      const auto sw = [&] { return pw() + " state['" + slot.first + "']"; };
       // float32 of the param's shape passes every family's rule; anything else gets the full check
       // (the family's own rule, e.g. bfloat16 Adam moments) that load() applies.
-      if (t.scalar_type() != at::kFloat || t.sizes() != p.sizes()) checked_slot(sw(), slot.first, t, p, options);
-      TORCH_CHECK_VALUE(t.device() == p.device(), sw(), " is on ", t.device().str(), "; expected the parameter's ",
-                        p.device().str());
-      TORCH_CHECK_VALUE(t.is_contiguous(), sw(), " is not contiguous; expected a contiguous state tensor");
+      if (t.scalar_type() != at::kFloat || t.sizes() != p.sizes()) {
+        checked_slot(state_where(name_, index, j, slot.first), slot.first, t, p, options);
+      }
+      TORCH_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ",
+                        t.device().str(), "; expected the parameter's ", p.device().str());
+      TORCH_CHECK_VALUE(t.is_contiguous(), state_where(name_, index, j, slot.first),
+                        " is not contiguous; expected a contiguous state tensor");
     }
   }
 }

@@ -191,8 +191,11 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
     scale = float(scale)
     # mixprec divides by a loss scale; Apex multiplies by its reciprocal (exact for powers of two).
     grad_scale = None if scale == 1.0 else _device_scalar(1.0 / scale, noop_flag)
+    # Given a scale, mixprec's op writes the scaled gradients back (torch's fused contract);
+    # Apex's kernel leaves them as they were: it gets copies then.
+    grads = lists[0] if grad_scale is None else [g.clone() for g in lists[0]]
     with _named(call):
-        _ops.sgd_(params, lists[0], lists[2] if use_momentum else [], lr=float(lr), momentum=float(momentum),
+        _ops.sgd_(params, grads, lists[2] if use_momentum else [], lr=float(lr), momentum=float(momentum),
                   dampening=float(dampening), weight_decay=float(wd), nesterov=bool(nesterov),
                   wd_after_momentum=bool(wd_after_momentum), master_params=masters,
                   step=1 if first_run else 2, grad_scale=grad_scale, found_inf=_found_inf(noop_flag))

@@ -4,6 +4,7 @@ master weights, in-kernel loss scaling for GradScalers, and complete, validated 
 from __future__ import annotations
 
 from collections import defaultdict
+from types import MethodType
 from typing import Any, Iterable, Optional
 
 import torch
@@ -100,7 +101,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = super().__getstate__()
         # Every public attribute (master_weights, set_grad_none, state_dtype, ...): without them a
         # copy cannot step. Private ones are caches, rebuilt by _reset_caches.
-        state.update({k: v for k, v in self.__dict__.items() if not k.startswith("_") and k not in state})
+        # Methods bound to this instance (amp.initialize patches step/zero_grad) stay behind, as
+        # torch's copies leave them: a copy is a plain optimizer.
+        state.update({k: v for k, v in self.__dict__.items()
+                      if not k.startswith("_") and k not in state and not isinstance(v, MethodType)})
         return state
 
     def __setstate__(self, state: dict) -> None:
