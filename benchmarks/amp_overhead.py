@@ -138,7 +138,7 @@ def build_variants(args, device: torch.device, dtype: torch.dtype, data, only) -
         skipped = (lambda: scaler.skipped_steps) if hasattr(scaler, "skipped_steps") else None
         variants.append(Variant(name, step, kind, skipped))
 
-    tadam = lambda p: torch_adamw(p, args, device)  # noqa: E731
+    tadam = lambda p: torch_adamw(p, args, device)
     scaler_variant(PEER, torch.amp.GradScaler(dev), tadam, "peer")
     scaler_variant("mixprec.GradScaler + torch AdamW", mixprec.GradScaler(dev), tadam, "mixprec")
     scaler_variant("mixprec.GradScaler + mixprec FusedAdam", mixprec.GradScaler(dev), fused_adam, "mixprec")

@@ -199,7 +199,6 @@ def measure_copy_bandwidth(device: torch.device, nbytes: Optional[int] = None, r
     dst = torch.empty_like(src)
     timing = time_fn(lambda: dst.copy_(src), device, runs=runs, warmup=warmup)
     moved = 2 * src.numel() * src.element_size()
-    del src, dst
     return CopyBandwidth(moved / timing.median, moved, timing)
 
 

@@ -140,7 +140,8 @@ def setup_unscale(case: UnscaleCase, shapes, device, gen):
         expect(all(torch.equal(g, s) for g, s in zip(grads_m, snapshot)), "check-only pass modified grads")
         errs["mixprec"] = errs["torch"] = 0.0
     else:
-        ref = lambda i: snapshot[i].double() * INV_SCALES[0]  # noqa: E731
+        # (F821: the del below frees the snapshot before the timed runs, after every use.)
+        ref = lambda i: snapshot[i].double() * INV_SCALES[0]  # noqa: F821
         res_m, res_t = (out_m, out_t) if out_m else (grads_m, grads_t)
         errs = {"mixprec": rel_err(res_m, ref), "torch": rel_err(res_t, ref)}
         limit = err_limit(res_m[0].dtype, errs["torch"])
@@ -219,7 +220,7 @@ def setup_scale(dtype: torch.dtype, shapes, device, gen):
     run_t(torch_scales[0])
     for i, (a, b) in enumerate(zip(grads_m, grads_t)):
         expect(torch.equal(a, b), f"scale_ differs from torch._foreach_mul_ in tensor {i}")
-    ref = lambda i: snapshot[i].double() * INV_SCALES[0]  # noqa: E731
+    ref = lambda i: snapshot[i].double() * INV_SCALES[0]  # noqa: F821  (del'd below, after every use)
     errs = {"mixprec": rel_err(grads_m, ref), "torch": rel_err(grads_t, ref)}
     for g in (grads_m, grads_t):
         for d, s in zip(g, snapshot):
@@ -268,7 +269,7 @@ def main(argv=None) -> int:
     runs, warmup = common.resolve_runs(args)
     common.self_check()
     try:  # after argument checks: a bad flag never waits on loading the library
-        import mixprec
+        import mixprec  # noqa: F401  (loads the ops the benchmark calls through torch.ops)
     except ImportError as e:
         parser.error(f"cannot import mixprec ({e}); build it first: ./scripts/setup.sh")
 

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Runs every mixprec test: sets up (scripts/setup.sh), then the GoogleTest suite built against
-# the installed CMake package, then the Python tests. Extra arguments go to pytest.
+# Runs every mixprec test: sets up (scripts/setup.sh), lints the Python (ruff), then the GoogleTest
+# suite built against the installed CMake package, then the Python tests. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 VENV=${MIXPREC_VENV:-.venv}
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
+
+# The Python linter first: it takes a second and fails before the long builds (config: pyproject.toml).
+ruff check .
 
 prefix=$(python -c 'import mixprec, torch; print(mixprec.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')
 CPP_TEST_BUILD=${MIXPREC_CPP_TEST_BUILD_DIR:-build/tests-cpp}

@@ -241,7 +241,7 @@ def scan_source(text: str, path: str = "<string>", headers: str = "") -> list[Vi
     """Every unsafe message argument, banned stream use and stray operator<< in one C++ source;
     `headers` is the text of the project headers it includes (for declarations)."""
     src = strip_comments(text)
-    line_of = lambda off: src.count("\n", 0, off) + 1  # noqa: E731
+    line_of = lambda off: src.count("\n", 0, off) + 1
     out: list[Violation] = []
     for m in BANNED.finditer(src):
         out.append(Violation(path, line_of(m.start()), m.group(0), "streams numbers through std::ostream"))

@@ -18,7 +18,6 @@ from conftest import (
     peer_bound,
     random_tensor,
     rel_err,
-    scalar,
     snapshot,
     torch_grad_scaler,
 )

@@ -25,7 +25,7 @@ from ._o1_handle import AmpHandle, InitializeHandle, NoOpHandle, init
 from ._o1_scale import OptimWrapper
 from ._optimizer import master_params
 from ._properties import opt_levels
-from ._scaler import _amp_state
+from ._scaler import _amp_state  # noqa: F401  (Apex code reads amp._amp_state)
 
 __all__ = [
     "AmpHandle",
