@@ -42,6 +42,15 @@ def test_version_matches_the_installed_distribution():
     assert mixprec.__version__ == importlib.metadata.version("mixprec")
 
 
+def test_distribution_ships_its_license_and_type_marker():
+    meta = importlib.metadata.metadata("mixprec")
+    assert meta["License-Expression"] == "BSD-3-Clause", meta.get_all("License-Expression")
+    assert "Typing :: Typed" in meta.get_all("Classifier")
+    files = [str(f) for f in importlib.metadata.files("mixprec")]
+    assert any(f.endswith("LICENSE") for f in files), files[:20]
+    assert os.path.isfile(os.path.join(os.path.dirname(mixprec.__file__), "py.typed"))
+
+
 def test_cmake_prefix_path_holds_the_package_config():
     prefix = mixprec.cmake_prefix_path
     assert os.path.isdir(prefix), prefix
