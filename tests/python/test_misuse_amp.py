@@ -407,3 +407,27 @@ def test_amp_state_handle_is_set_as_apex_code_expects(gen):
     opt.step()
     amp.initialize(make_model(gen, "cpu"), enabled=False)
     assert isinstance(_amp_state.handle, NoOpHandle) and not _amp_state.handle.is_active()
+
+
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+def test_master_params_between_delayed_blocks_changes_nothing(kind, gen):
+    # Reading the masters completes the delayed chain early (its gradients must be unscaled to be
+    # read); the blocks after it must then not add scaled gradients onto the unscaled ones.
+    (m_a, o_a), (m_b, o_b) = twin_worlds(gen, kind)
+    xs = [random_tensor((16, 8), torch.float32, "cpu", gen) for _ in range(3)]
+    worlds = []
+    for peek, (model, opt) in zip((True, False), ((m_a, o_a), (m_b, o_b))):
+        # amp's scalers are global: one world at a time. A small static scale, so that neither
+        # world overflows (where float16 sums overflow depends on the order they are taken in).
+        model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+        worlds.append((model, opt))
+        opt.zero_grad()
+        for i, x in enumerate(xs):
+            with amp.scale_loss(loss_of(model, x), opt, delay_unscale=i < len(xs) - 1) as s:
+                s.backward()
+            if peek and i == 0:
+                list(amp.master_params(opt))
+        opt.step()
+    # The same sums, rounded in other orders (float16 model grads, float32 master grads).
+    for a, b in zip(worlds[0][0].parameters(), worlds[1][0].parameters()):
+        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)

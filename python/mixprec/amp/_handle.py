@@ -100,10 +100,12 @@ class _ScaleLoss:
         if not options["master_weights"] and unit:
             return loss.float()  # nothing to scale, check or copy (fp32, or bf16 without scaling)
 
-        if not self.delay_unscale:
-            for stash in stashes:
-                if not stash.params_have_scaled_gradients:
-                    stash.prepare_backward()
+        # Unscaled gradients already there (an earlier block, or a delayed chain completed early
+        # by amp.master_params) are set aside, delay_unscale or not: scaled ones must never be
+        # added onto them. They come back when the chain is completed.
+        for stash in stashes:
+            if not stash.params_have_scaled_gradients:
+                stash.prepare_backward()
         scale = scaler.state.scale
         if scale is None:
             scale = scaler.scale_tensor(loss.device)
