@@ -11,6 +11,8 @@
 #include <optional>
 #include <tuple>
 
+#include <mixprec/optim_args.h>
+
 namespace mixprec {
 namespace detail {
 // Defined in libmixprec. Referencing it keeps the library linked even under --as-needed: its
@@ -203,11 +205,6 @@ struct StepArgs {
   std::optional<at::Tensor> found_inf;
 };
 
-struct AdamArgs {
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
-  bool adam_w_mode = true, bias_correction = true, maximize = false;
-};
-
 // amsgrad when max_exp_avg_sqs is non-empty; fp32 master weights when master_params is non-empty.
 inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                   at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a,
@@ -222,11 +219,6 @@ inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList ex
           s.found_inf);
 }
 
-struct SgdArgs {
-  double momentum = 0.0, dampening = 0.0, weight_decay = 0.0;
-  bool nesterov = false, wd_after_momentum = false, maximize = false;
-};
-
 // momentum_buffers is empty iff momentum == 0.
 inline void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                  at::TensorList master_params, const SgdArgs& a, const StepArgs& s) {
@@ -237,11 +229,6 @@ inline void sgd_(at::TensorList params, at::TensorList grads, at::TensorList mom
   op.call(params, grads, momentum_buffers, master_params, s.step_tensor, s.lr, a.momentum, a.dampening,
           a.weight_decay, a.nesterov, a.wd_after_momentum, a.maximize, s.step, s.lr_tensor, s.grad_scale, s.found_inf);
 }
-
-struct LambArgs {
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-6, weight_decay = 0.01, max_grad_norm = 1.0;
-  bool bias_correction = true, grad_averaging = true, adam_w_mode = true, use_nvlamb = false;
-};
 
 // global_grad_norm: the unscaled gradient norm over every group (computed from grads when absent).
 // local_norms / trust_norms (float32 [2, n]): the two halves of a step split for sharded tensors,
@@ -262,11 +249,6 @@ inline void lamb_(at::TensorList params, at::TensorList grads, at::TensorList ex
           s.lr_tensor, s.grad_scale, s.found_inf, global_grad_norm, local_norms, trust_norms);
 }
 
-struct AdagradArgs {
-  double eps = 1e-10, weight_decay = 0.0, lr_decay = 0.0;
-  bool adagrad_w_mode = false, maximize = false;
-};
-
 inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                      at::TensorList master_params, const AdagradArgs& a, const StepArgs& s) {
   using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const std::optional<at::Tensor>&,
@@ -276,11 +258,6 @@ inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList
   op.call(params, grads, state_sums, master_params, s.step_tensor, s.lr, a.eps, a.weight_decay, a.lr_decay,
           a.adagrad_w_mode, a.maximize, s.step, s.lr_tensor, s.grad_scale, s.found_inf);
 }
-
-struct NovoGradArgs {
-  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0, norm_type = 2.0;
-  bool bias_correction = true, grad_averaging = true, reg_inside_moment = false, init_zero = false;
-};
 
 // exp_avg_sq_norms: float32 [len(params)], the per-tensor second moments. grad_norms (float32
 // [len(params)], norms of the grads as stored) replaces the op's own norm pass, for sharded tensors.

@@ -1,0 +1,81 @@
+// The hyper-parameters of every fused optimizer op, declared once: each family's field list is
+// the single source from which its op schema, its typed C++ call (mixprec/ops.h), the kernels'
+// parameter block, the Python wrapper's defaults and the C++ options class are all made.
+// Torch-free, so the kernel tier can include it.
+//
+// A field list is an X-macro: X(type, name, default) for every hyper-parameter, in schema order.
+// type is double, bool or int64_t (schema "float", "bool", "int"); default is a C++ literal.
+// Adding a hyper-parameter to a family = one X(...) line here plus its math in kernels/<family>.h.
+#pragma once
+
+#include <cstdint>
+
+// clang-format off
+#define MIXPREC_ADAM_ARGS(X)          \
+  X(double, beta1, 0.9)               \
+  X(double, beta2, 0.999)             \
+  X(double, eps, 1e-8)                \
+  X(double, weight_decay, 0.0)        \
+  X(bool, adam_w_mode, true)          \
+  X(bool, bias_correction, true)      \
+  X(bool, maximize, false)
+
+#define MIXPREC_SGD_ARGS(X)           \
+  X(double, momentum, 0.0)            \
+  X(double, dampening, 0.0)           \
+  X(double, weight_decay, 0.0)        \
+  X(bool, nesterov, false)            \
+  X(bool, wd_after_momentum, false)   \
+  X(bool, maximize, false)
+
+#define MIXPREC_LAMB_ARGS(X)          \
+  X(double, beta1, 0.9)               \
+  X(double, beta2, 0.999)             \
+  X(double, eps, 1e-6)                \
+  X(double, weight_decay, 0.01)       \
+  X(bool, bias_correction, true)      \
+  X(bool, grad_averaging, true)       \
+  X(bool, adam_w_mode, true)          \
+  X(double, max_grad_norm, 1.0)       \
+  X(bool, use_nvlamb, false)
+
+#define MIXPREC_ADAGRAD_ARGS(X)       \
+  X(double, eps, 1e-10)               \
+  X(double, weight_decay, 0.0)        \
+  X(double, lr_decay, 0.0)            \
+  X(bool, adagrad_w_mode, false)      \
+  X(bool, maximize, false)
+
+#define MIXPREC_NOVOGRAD_ARGS(X)      \
+  X(double, beta1, 0.9)               \
+  X(double, beta2, 0.999)             \
+  X(double, eps, 1e-8)                \
+  X(double, weight_decay, 0.0)        \
+  X(bool, bias_correction, true)      \
+  X(bool, grad_averaging, true)       \
+  X(bool, reg_inside_moment, false)   \
+  X(double, norm_type, 2.0)           \
+  X(bool, init_zero, false)
+// clang-format on
+
+#define MIXPREC_ARGS_FIELD(type, name, default_value) type name = default_value;
+
+namespace mixprec {
+
+struct AdamArgs {
+  MIXPREC_ADAM_ARGS(MIXPREC_ARGS_FIELD)
+};
+struct SgdArgs {
+  MIXPREC_SGD_ARGS(MIXPREC_ARGS_FIELD)
+};
+struct LambArgs {
+  MIXPREC_LAMB_ARGS(MIXPREC_ARGS_FIELD)
+};
+struct AdagradArgs {
+  MIXPREC_ADAGRAD_ARGS(MIXPREC_ARGS_FIELD)
+};
+struct NovoGradArgs {
+  MIXPREC_NOVOGRAD_ARGS(MIXPREC_ARGS_FIELD)
+};
+
+}  // namespace mixprec
