@@ -89,6 +89,20 @@ def combine_found(found: Iterable[torch.Tensor], device: torch.device) -> torch.
     return torch.stack([f.reshape(()) for f in found]).sum()
 
 
+def flag_unusable_scale_(found_per_device: dict[torch.device, torch.Tensor], scale: torch.Tensor) -> None:
+    """Sets every found_inf of ``found_per_device`` to 1 when ``scale`` cannot unscale: its float32
+    reciprocal (taken in float64, as torch's scaler does) is inf, NaN, 0 or negative, as after a
+    hand edit of the scale tensor. Counted as an overflow, so the step is skipped and update()
+    backs off (a NaN scale stays NaN), on the device: a fused optimizer divides by the scale in its
+    kernel, and the read-only check before it never sees the scale."""
+    if not found_per_device:
+        return
+    inv = scale.double().reciprocal().float()
+    bad = torch.logical_and(torch.isfinite(inv), inv > 0).logical_not().float()
+    for found in {id(f): f for f in found_per_device.values()}.values():
+        torch.maximum(found, bad.to(found.device, non_blocking=True), out=found)
+
+
 class Replicator:
     """A device scalar served to each device that asks, copied once per device (non-blocking)."""
 

@@ -16,7 +16,7 @@ from . import _grad_scaler_checks as checks
 from . import distributed as _dist
 from ._dtensor import local_all
 from ._grad_scaler_state import ScalerStateFront
-from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found
+from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found, flag_unusable_scale_
 from ._step_guard import StepGuard
 
 __all__ = ["GradScaler", "OptState"]
@@ -226,7 +226,9 @@ class GradScaler(ScalerStateFront):
             raise RuntimeError("unscale_() is being called after step().")
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         inv_scale = self._scale.double().reciprocal().float()  # as torch: the reciprocal in float64
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
+        flag_unusable_scale_(per_device, self._scale)
+        optimizer_state["found_inf_per_device"] = per_device
         optimizer_state["stage"] = OptState.UNSCALED
         self._per_optimizer_states[id(optimizer)] = optimizer_state
 
@@ -235,6 +237,7 @@ class GradScaler(ScalerStateFront):
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         per_device = self._unscale_grads_(optimizer, None, found_inf, True)
+        flag_unusable_scale_(per_device, scale)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
         return per_device
 

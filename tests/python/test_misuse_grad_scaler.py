@@ -307,3 +307,27 @@ def test_any_bad_backoff_factor_is_refused_everywhere(value):
     with pytest.raises(ValueError, match="backoff_factor"):
         GradScaler("cpu", backoff_factor=value)
     check_refused(mid_iteration("stepped"), lambda s: s.set_backoff_factor(value), ValueError, "new_factor")
+
+
+# ---- a scale tensor edited by hand (torch's private _scale) -----------------------------------
+@pytest.mark.parametrize("value", [0.0, math.nan, math.inf, -4.0, 1e-45])
+@pytest.mark.parametrize("fused, explicit_unscale", [(True, False), (True, True), (False, False)])
+def test_hand_edited_unusable_scale_skips_the_step(value, fused, explicit_unscale):
+    # A scale whose float32 reciprocal is inf, NaN, 0 or negative cannot unscale. The fused
+    # kernel divides by it (before the fix: NaN/inf weights after a check that saw clean
+    # grads); it must count as an overflow instead: params and optimizer state unchanged, and
+    # update() treats the iteration as one that overflowed.
+    mid = mid_iteration("scaled", fused=fused)
+    mid.scaler._scale.fill_(value)
+    before = mid.snapshot()
+    tracker = mid.scaler._growth_tracker.clone()
+    if explicit_unscale:
+        mid.scaler.unscale_(mid.opt)
+    mid.scaler.step(mid.opt)
+    after = mid.snapshot()
+    assert_same_value(after["params"], before["params"], "params after a step with an unusable scale")
+    assert_same_value(after["opt"], before["opt"], "optimizer state after a step with an unusable scale")
+    mid.scaler.update()
+    assert mid.scaler._growth_tracker.item() == 0 and tracker.item() >= 0  # an overflow resets the tracker
+    if math.isnan(value):
+        assert math.isnan(mid.scaler._scale.item())  # a NaN scale stays NaN: every step skipped
