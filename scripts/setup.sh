@@ -16,7 +16,8 @@ VENV=${MIXPREC_VENV:-.venv}
 PY=${PYTHON:-python3}
 TORCH_RANGE_CHECK='import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if (2, 11) <= v < (2, 15) else 1)'
 
-log() { printf '[setup] %s\n' "$*"; }
+START=$SECONDS
+log() { printf '[setup %4ss] %s\n' "$((SECONDS - START))" "$*"; }
 
 # --- 1. Debian packages: compiler, CMake, Ninja, ccache, GoogleTest, venv -------------------
 missing=()
@@ -57,17 +58,28 @@ if ! "$VPY" -c "$TORCH_RANGE_CHECK" 2>/dev/null; then
       MIXPREC_TORCH_SPEC="torch>=2.11,<2.14"
     fi
   fi
-  log "installing $MIXPREC_TORCH_SPEC"
-  "$VPY" -m pip install -q "$MIXPREC_TORCH_SPEC"
+  log "installing $MIXPREC_TORCH_SPEC (about 1-2 minutes from a local cache, longer to download)"
+  "$VPY" -m pip install -q --progress-bar on "$MIXPREC_TORCH_SPEC"
 fi
+log "installing the build and test tools (scripts/requirements.txt)"
 "$VPY" -m pip install -q -r scripts/requirements.txt
 
 # --- 4. Build and install mixprec into the venv ----------------------------------------------
-log "building mixprec (torch $("$VPY" -c 'import torch; print(torch.__version__)'))"
+log "building mixprec (torch $("$VPY" -c 'import torch; print(torch.__version__)')): a first build takes" \
+    "about 5 minutes on 2 cores (more with CUDA kernels), a rebuild seconds to a minute (ccache)"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 build_dir_arg=()
 [ -n "${MIXPREC_BUILD_DIR:-}" ] && build_dir_arg=(-C "build-dir=$MIXPREC_BUILD_DIR")
-"$VPY" -m pip install -q --no-build-isolation --no-deps "${build_dir_arg[@]}" \
-  -C "cmake.define.MIXPREC_CUDA_ARCHITECTURES=${MIXPREC_CUDA_ARCHITECTURES:-80;90}" \
-  -C "cmake.define.MIXPREC_CUDA=${MIXPREC_CUDA:-AUTO}" .
+# pip -v streams the build's output; only Ninja's "[done/total] what" lines are shown, as progress.
+# The whole log is kept for when the build fails.
+build_log=$(mktemp -t mixprec-build.XXXXXX.log)
+if ! "$VPY" -m pip install -v --no-build-isolation --no-deps "${build_dir_arg[@]}" \
+    -C "cmake.define.MIXPREC_CUDA_ARCHITECTURES=${MIXPREC_CUDA_ARCHITECTURES:-80;90}" \
+    -C "cmake.define.MIXPREC_CUDA=${MIXPREC_CUDA:-AUTO}" . 2>&1 |
+    tee "$build_log" | { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] ' || true; }; then
+  tail -n 60 "$build_log"
+  log "the build failed; its whole log: $build_log"
+  exit 1
+fi
+rm -f "$build_log"
 log "ready: source $VENV/bin/activate"
