@@ -99,7 +99,9 @@ def test_user_task_outputs_parse(tmp_path, capsys):
     import matplotlib.image
     assert matplotlib.image.imread(tmp_path / "curves.png").shape[2] in (3, 4)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(str(tmp_path / "tensorboard" / "O2-bf16"))
+    run_dir = doc["tensorboard_run"]
+    assert os.path.dirname(run_dir) == str(tmp_path / "tensorboard")
+    acc = EventAccumulator(os.path.join(run_dir, "O2-bf16"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "loss_scale", "skipped_steps", "step_time_ms", "memory_mb", "val/loss", "val/metric"} <= tags
