@@ -177,15 +177,23 @@ class AmpPrecision:
         self.scaler = _amp_state.loss_scalers[0]
         self.monitor = diagnostics.Monitor(task.model, patience=patience, max_events=max_events)
         self.watch_loss = self.monitor.watch_loss
+        self.stuck: Optional[diagnostics.LossScaleStuckError] = None
         self.autocast = contextlib.nullcontext  # O1 puts the model's own forward under autocast
 
     def backward_step(self, loss: torch.Tensor) -> None:
-        with amp.scale_loss(loss, self.optimizer) as scaled:
-            scaled.backward()
-        self.optimizer.step()
+        try:
+            with amp.scale_loss(loss, self.optimizer) as scaled:
+                scaled.backward()
+            self.optimizer.step()
+        except diagnostics.LossScaleStuckError as e:  # raised by check(), once the step is counted
+            self.stuck = e
 
     def loss_scale(self) -> float:
         return self.scaler.loss_scale()
+
+    def check(self) -> None:
+        if self.stuck is not None:
+            raise self.stuck
 
     @property
     def skipped(self) -> int:
@@ -201,7 +209,7 @@ class AmpPrecision:
 
 def make_precision(mode: Mode, task: Task, device: torch.device, cfg: RunConfig):
     """The object that trains ``task`` in ``mode``: autocast(), watch_loss(loss), backward_step(loss),
-    loss_scale(), skipped, events, optimizer_name, close(). A torch.amp mode whose task optimizer
+    check() (raises once the mode is stuck), loss_scale(), skipped, events, optimizer_name, close(). A torch.amp mode whose task optimizer
     torch cannot express fails with that reason."""
     if mode.opt_level == TORCH_AMP:
         return TorchAmpPrecision(mode, task, device, cfg.patience, MAX_EVENTS_KEPT)
@@ -277,6 +285,7 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
                         raise Diverged(f"loss non-finite for {nan_run} steps in a row (since step {r.steps - nan_run})")
                 else:
                     nan_run = 0
+                precision.check()
                 if sink is not None:
                     sink.on_step(r.steps, {"train/loss": loss_value, "loss_scale": r.scale_curve[-1],
                                            "skipped_steps": r.skipped_steps, "step_time_ms": step_ms,

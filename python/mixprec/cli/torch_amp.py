@@ -87,8 +87,8 @@ def torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 class TorchAmpPrecision:
     """One torch.amp mode's training step: forward and loss under ``torch.autocast`` in the mode's
     dtype; in fp16 a ``torch.amp.GradScaler`` (bf16 needs none, as torch documents), with its
-    skipped steps counted from the scale's back-offs and a run of them stopping the mode like
-    mixprec's Monitor does."""
+    skipped steps counted from the scale's back-offs and a run of them at the floor stopping the
+    mode as mixprec's Monitor does."""
 
     def __init__(self, mode: Mode, task: Any, device: torch.device, patience: int, max_events: int) -> None:
         self.device, self.dtype, self.patience, self.max_events = device, mode.dtype, patience, max_events
@@ -126,10 +126,15 @@ class TorchAmpPrecision:
             loss = None if self._loss is None else float(self._loss.float())
             self.events.append(diagnostics.OverflowEvent(self.updates - 1, kind, self.scale, loss,
                                                          diagnostics.nonfinite_grads(self.model)))
-        if self.consecutive >= self.patience:
+
+    def check(self) -> None:
+        """Raises LossScaleStuckError once ``patience`` updates in a row overflowed with the scale at
+        or below 1 (torch's scaler has no floor; 1 is where mixprec's Monitor stops without one).
+        Called after the step is counted, so a stopped mode's figures add up."""
+        if self.consecutive >= self.patience and self.scale <= 1.0:
             raise diagnostics.LossScaleStuckError(
-                f"torch.amp.GradScaler backed off on the last {self.consecutive} steps in a row, to a scale of "
-                f"{self.scale:g}: gradients overflow whatever the scale")
+                f"loss scale stuck at its floor: torch.amp.GradScaler backed off on the last {self.consecutive} "
+                f"steps in a row, to a scale of {self.scale:g}: gradients overflow even unscaled")
 
     def loss_scale(self) -> float:
         return self.scale
