@@ -219,10 +219,10 @@ def compare(args: argparse.Namespace) -> int:
     _say("")
     _say(table(results, metric["name"]))
     _say("")
-    _say("s/epoch excludes validation and the first (warm-up) epoch when there are several; " +
-         ("peak MB: the CUDA\nallocator's peak; " if memory else
-          "peak memory is not\nshown on a CPU, where it measures the allocator more than the mode; ") +
-         f"every figure and curve is in {json_path}")
+    _say("s/epoch: training only, after the first (warm-up) epoch when there are several.")
+    _say("peak MB: the CUDA allocator's peak." if memory else
+         "peak memory: not shown on a CPU, where it measures the allocator more than the mode.")
+    _say(f"Every figure and curve: {json_path}")
     if rec.mode:
         _say(f"Recommended: {rec.mode}  ({rec.rule})")
     else:

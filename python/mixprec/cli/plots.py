@@ -64,18 +64,24 @@ def build_figure(results: list[ModeResult], metric_name: str, tolerance: float, 
     scaling = scales_loss(results)
     n_top, n_bottom = 1 + memory, 2 + scaling
     fig = plt.figure(figsize=(5.5 * max(n_top, n_bottom), 9.5))
-    ax_time = fig.add_subplot(2, n_top, 1)
+    grid = fig.add_gridspec(2, 6)  # 6 columns: one, two or three panels a row, evenly
+
+    def panel(row: int, i: int, n: int):
+        return fig.add_subplot(grid[row, i * 6 // n:(i + 1) * 6 // n])
+
+    ax_time = panel(0, 0, n_top)
     _bars(ax_time, results, [r.time_per_epoch for r in results], colors, "time per epoch (lower is better)",
           "s/epoch", [f"{r.speedup:.2f}x" if _finite(r.speedup) else "" for r in results])
     if memory:
-        _bars(fig.add_subplot(2, n_top, 2), results, [r.peak_memory_mb for r in results], colors,
+        _bars(panel(0, 1, n_top), results, [r.peak_memory_mb for r in results], colors,
               "peak memory (lower is better)", "MiB", [f"{r.peak_memory_mb:.0f}" if _finite(r.peak_memory_mb)
                                                        else "" for r in results])
-    ax_loss = fig.add_subplot(2, n_bottom, n_bottom + 1)
-    ax_val = fig.add_subplot(2, n_bottom, n_bottom + 2)
-    ax_scale = fig.add_subplot(2, n_bottom, n_bottom + 3) if scaling else None
-    def spread(n: int, i: int) -> tuple[int, int]:  # markers every n points, each mode from another start
-        every = max(1, n // 8)
+    ax_loss, ax_val = panel(1, 0, n_bottom), panel(1, 1, n_bottom)
+    ax_scale = panel(1, 2, n_bottom) if scaling else None
+    def spread(n: int, i: int) -> tuple[int, int]:
+        # Markers on every k-th point, each mode starting at another one: curves lying on top of
+        # each other still show every mode's markers side by side.
+        every = max(1, min(n, max(n // 8, len(results))))
         return (i % every, every)
 
     for i, r in enumerate(results):
