@@ -208,9 +208,10 @@ class AmpPrecision:
 
 
 def make_precision(mode: Mode, task: Task, device: torch.device, cfg: RunConfig):
-    """The object that trains ``task`` in ``mode``: autocast(), watch_loss(loss), backward_step(loss),
-    check() (raises once the mode is stuck), loss_scale(), skipped, events, optimizer_name, close(). A torch.amp mode whose task optimizer
-    torch cannot express fails with that reason."""
+    """The object that trains ``task`` in ``mode``: autocast(), watch_loss(loss),
+    backward_step(loss), check() (raises once the mode is stuck), loss_scale(), skipped, events,
+    optimizer_name, close(). For a torch.amp mode whose task optimizer torch cannot express it
+    raises NoTorchEquivalent, which fails that mode alone."""
     if mode.opt_level == TORCH_AMP:
         return TorchAmpPrecision(mode, task, device, cfg.patience, MAX_EVENTS_KEPT)
     return AmpPrecision(mode, task, cfg.patience, MAX_EVENTS_KEPT)
