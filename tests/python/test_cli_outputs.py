@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -168,3 +169,22 @@ def test_help_states_each_default_once(capsys):
         assert len(re.findall(r"default(?::| is)", option, re.IGNORECASE)) <= 1, option
     assert "(default: None)" not in text and "(default: 3)" in text
     assert main(["env", "--help"]) == 0
+
+
+def _compare_args(out) -> list:
+    return ["compare", "--out", str(out), "--device", "cpu", "--task", TASKS + ":tiny_task", "--modes", "O0",
+            "--epochs", "1", "--steps-per-epoch", "1", "--val-steps", "1", "--no-progress"]
+
+
+def test_compare_without_matplotlib_measures_and_says_why_there_is_no_plot(tmp_path, monkeypatch, capsys):
+    # matplotlib is an optional extra (mixprec[plot]): by default its absence costs only the figure.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(_compare_args(tmp_path)) == 0
+    assert (tmp_path / "report.json").exists() and not (tmp_path / "curves.png").exists()
+    assert "no curves.png" in capsys.readouterr().out
+
+
+def test_compare_plot_asked_for_without_matplotlib_is_refused_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(_compare_args(tmp_path) + ["--plot"]) == 2
+    assert "mixprec[plot]" in capsys.readouterr().err and not (tmp_path / "report.json").exists()

@@ -97,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed for the initial weights and the data order (default: %(default)s)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bars (default: when stderr is a terminal)")
-    p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
-                   help="write curves.png (default: on)")
+    p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
+                   help="write curves.png (default: when matplotlib is installed; --plot requires it)")
     return parser
 
 
@@ -144,6 +144,15 @@ def compare(args: argparse.Namespace) -> int:
         if why:
             _error(why)
             return 2
+    if args.plot is not False:
+        from .plots import check_available as plot_unavailable
+        why = plot_unavailable()
+        if why and args.plot:
+            _error(why)
+            return 2
+        if why:
+            _say(f"{PROG}: no curves.png: {why}")
+        args.plot = not why
     try:
         factory = load_entry_point(args.task)
     except TaskError as e:

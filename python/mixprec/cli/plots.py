@@ -51,6 +51,15 @@ def _bars(ax, results: list[ModeResult], values: list[Optional[float]], colors: 
     ax.set_ylim(0, top * 1.15)
 
 
+def check_available() -> Optional[str]:
+    """None when curves.png can be drawn, else the one-line reason (matplotlib is an optional extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        return f"curves.png needs matplotlib (pip install 'mixprec[plot]' or pip install matplotlib): {e}"
+    return None
+
+
 def build_figure(results: list[ModeResult], metric_name: str, tolerance: float, higher_is_better: bool):
     """The comparison figure (not saved); its axes' titles name the panels."""
     import matplotlib
