@@ -119,6 +119,15 @@ def check_optimizer(where: str, optimizer: Any) -> None:
     if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
         raise TypeError(f"{where}: optimizer must be a torch.optim.Optimizer (param_groups and step()), "
                         f"got {type(optimizer).__name__}")
+    if getattr(optimizer, "_amp_stash", None) is not None:
+        from .amp._process import _amp_scales_losses  # amp imports this module's package: import late
+
+        if _amp_scales_losses():
+            # Its gradients come from amp.scale_loss (O2's masters get theirs only there): a GradScaler
+            # on top would scale the loss twice, or find no gradients to check.
+            raise RuntimeError(f"{where}: {type(optimizer).__name__} went through amp.initialize, whose loss "
+                               "scaling is on: scale its loss with amp.scale_loss and call optimizer.step(); "
+                               "use amp.scale_loss or a GradScaler, not both (nothing was changed)")
 
 
 def fp16_unscale_error(optimizer: torch.optim.Optimizer, group: int, index: int) -> ValueError:

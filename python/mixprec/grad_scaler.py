@@ -266,7 +266,9 @@ class GradScaler(ScalerStateFront):
         gradients raises "No inf checks were recorded"; and update() needs some optimizer's check."""
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs:
+        if "closure" in kwargs or any(callable(a) for a in args):
+            # torch checks the keyword only; a positional closure would recompute scaled gradients
+            # inside step(), after the check, and the optimizer would apply them.
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         self._check_scale_growth_tracker("step")
         checks.check_optimizer("GradScaler.step", optimizer)

@@ -431,3 +431,23 @@ def test_master_params_between_delayed_blocks_changes_nothing(kind, gen):
     # The same sums, rounded in other orders (float16 model grads, float32 master grads).
     for a, b in zip(worlds[0][0].parameters(), worlds[1][0].parameters()):
         assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("level, kind", [("O2", "fused"), ("O2", "torch"), ("O1", "torch")])
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+def test_a_grad_scaler_alone_on_an_amp_optimizer_is_refused(level, kind, call, gen):
+    # The loss went through the GradScaler only: at O1 amp would apply the GradScaler-scaled
+    # gradients (unscaled by nothing of amp's); at O2 the masters have no gradients at all (the
+    # scaler found "no inf checks"). Refused with what to do, before anything changes.
+    model = make_model(gen, "cpu")
+    opt = FusedAdam(model.parameters(), lr=1e-2) if kind == "fused" else torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    train_step(model, opt, gen)  # a real step first: optimizer state exists
+    scaler = GradScaler("cpu")
+    opt.zero_grad()
+    scaler.scale(loss_of(model, random_tensor((16, 8), torch.float32, "cpu", gen))).backward()
+    before, scale = amp_world([model], [opt]), scaler._scale.clone()
+    with pytest.raises(RuntimeError, match=rf"GradScaler\.{call}: .*amp.initialize.*not both"):
+        getattr(scaler, call)(opt)
+    assert_same_world(before, amp_world([model], [opt]))
+    assert torch.equal(scaler._scale, scale) and id(opt) not in scaler._per_optimizer_states

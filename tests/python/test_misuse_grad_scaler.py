@@ -331,3 +331,18 @@ def test_hand_edited_unusable_scale_skips_the_step(value, fused, explicit_unscal
     assert mid.scaler._growth_tracker.item() == 0 and tracker.item() >= 0  # an overflow resets the tracker
     if math.isnan(value):
         assert math.isnan(mid.scaler._scale.item())  # a NaN scale stays NaN: every step skipped
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_positional_closure_is_refused_like_the_keyword(fused):
+    # torch's scaler refuses closure= but passes step(opt, closure) through, where the closure's
+    # backward makes fresh scaled gradients after the check, and the optimizer applies them.
+    mid = mid_iteration("scaled", fused=fused)
+
+    def closure():
+        mid.opt.zero_grad()
+        loss = sum(p.float().square().sum() for p in mid.params)
+        mid.scaler.scale(loss).backward()
+        return loss
+
+    check_refused(mid, lambda s: s.step(mid.opt, closure), RuntimeError, "Closure")
