@@ -129,6 +129,34 @@ def test_trainer_checkpoint_resumes_bit_for_bit(tmp_path):
         full_plugin.state_dict()  # a finished run's plugin cannot save another run's scaler
 
 
+class Manual(Tiny):
+    """Manual optimization: manual_backward scales for the plugin's optimizers, step() steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        optimizer.step()
+        self.losses.append(loss.item())
+
+
+def test_trainer_manual_optimization_trains_like_amp_by_hand():
+    batches = tiny_data()
+    model, plugin = Manual(), MixprecPrecision("O2", verbosity=0)
+    trainer = make_trainer(plugin, max_epochs=2)
+    trainer.fit(model, loader(batches))
+    trained = snapshot(model.net, trainer.optimizers[0])
+    ref_model, ref_opt, ref_losses, _ = reference_run(tiny_net(0), batches, 2, clip=CLIP)
+    assert model.losses == ref_losses
+    assert_same(trained, snapshot(ref_model, ref_opt), "manual optimization vs amp by hand")
+
+
 def test_fabric_o2_trains_like_amp_by_hand_and_saves_its_scaler(tmp_path):
     batches, path = tiny_data(), tmp_path / "fabric.ckpt"
 
