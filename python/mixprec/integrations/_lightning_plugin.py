@@ -3,6 +3,7 @@ Lightning precision plugin that runs mixprec.amp (O0-O3, fp32 masters under O2) 
 
 from __future__ import annotations
 
+import importlib
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Optional
 
@@ -115,3 +116,17 @@ class MixprecPrecisionBase:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._session.load_state_dict(state_dict)
+
+
+def plugin_class(package: str, install: str, module: str) -> type:
+    """MixprecPrecision on ``package``'s Precision base (``lightning.pytorch`` or
+    ``pytorch_lightning``: two packages, two class hierarchies). Its name stays MixprecPrecision,
+    the key under which Lightning saves the plugin's state in checkpoints."""
+    try:
+        framework = importlib.import_module(package)
+        precision = importlib.import_module(f"{package}.plugins.precision").Precision
+    except ImportError as err:  # an optional dependency: say what to install
+        raise ImportError(f"{module} needs the `{package.split('.')[0]}` package ({install})") from err
+    return type("MixprecPrecision", (MixprecPrecisionBase, precision),
+                {"__doc__": MixprecPrecisionBase.__doc__, "__module__": module, "__qualname__": "MixprecPrecision",
+                 "_lightning_module_cls": framework.LightningModule})
