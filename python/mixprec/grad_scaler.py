@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from collections import abc, defaultdict
 from enum import Enum
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union, overload
 from weakref import WeakKeyDictionary
 
 import torch
@@ -129,7 +129,19 @@ class GradScaler(ScalerStateFront):
             self._guards: WeakKeyDictionary = WeakKeyDictionary()
 
     # -- scale ----------------------------------------------------------------------------------
-    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]):
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]) -> Union[torch.Tensor, Iterable[torch.Tensor]]:
         """Multiplies a tensor, or (nested) lists/tuples/iterables of tensors, by the scale."""
         if not self._enabled:
             return outputs

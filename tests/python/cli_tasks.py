@@ -1,6 +1,7 @@
 # Tasks for the `mixprec compare` tests, loaded through --task as a file: a tiny classifier, one
 # rigged to overflow in fp16 at a known layer, one that runs out of memory under low precision,
-# one whose op has no low-precision kernel, and malformed ones.
+# one whose op has no low-precision kernel, one autocast leaves in fp32, one with an optimizer
+# torch.optim lacks, and malformed ones.
 from __future__ import annotations
 
 import torch
@@ -95,3 +96,50 @@ def missing_loader(device):
 
 def interrupt_task(device):
     return _task(_LowPrecisionOnly(KeyboardInterrupt()), device, "Ctrl-C in low precision")
+
+
+class _Affine(nn.Module):
+    """Element-wise only: torch.autocast casts none of it, so a torch.amp mode computes in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 8))
+        self.b = nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        return (x[:, None, :] * self.w).sum(-1) + self.b
+
+
+def elementwise_task(device):
+    return _task(_Affine(), device, "autocast-neutral")
+
+
+def lamb_task(device):
+    from mixprec.optimizers import FusedLAMB
+
+    t = tiny_task(device)
+    t.optimizer = FusedLAMB(t.model.parameters(), lr=1e-2)
+    return t
+
+
+class _Fp16GradOverflow(torch.autograd.Function):
+    """Identity forward; backward makes every float16 gradient inf: gradients that overflow at any
+    loss scale while the loss stays finite (what drives a dynamic scale down to its floor)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf") if grad.dtype == torch.float16 else grad
+
+
+class _OverflowGrad(nn.Module):
+    def forward(self, x):
+        return _Fp16GradOverflow.apply(x)
+
+
+def grad_overflow_task(device):
+    return _task(nn.Sequential(nn.Linear(8, 16), _OverflowGrad(), nn.ReLU(), nn.Linear(16, 2)), device,
+                 "fp16 gradients overflow")

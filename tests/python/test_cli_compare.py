@@ -77,12 +77,15 @@ def test_every_mode_on_cuda(tmp_path):
     for m in doc["modes"]:
         assert m["status"] == "ok", m
         assert m["memory_kind"] == "cuda allocator peak" and m["peak_memory_mb"] > 0 and m["peak_rss_mb"] is None
-        dynamic = m["dtype"] == "float16" and m["opt_level"] in ("O1", "O2")
+        dynamic = m["dtype"] == "float16" and m["opt_level"] in ("O1", "O2", "torch.amp")
         if dynamic:  # 2^16, less a backoff per overflowing step (a first step may overflow)
             assert m["final_loss_scale"] == 2.0**16 / 2 ** m["skipped_steps"]
         else:
             assert m["final_loss_scale"] == 1.0 and m["skipped_steps"] == 0
     assert doc["recommendation"]["mode"] is not None
+    assert {"torch-fp16", "torch-bf16"} <= set(doc["default_modes"])
+    assert doc["modes"][-1]["optimizer"] == "torch.optim.AdamW(fused=True)"  # the embedded task's FusedAdam
+    assert doc["recommendation"]["switch"] is not None and doc["recommendation"]["versus_torch"]
 
 
 def test_user_task_outputs_parse(tmp_path, capsys):
@@ -99,7 +102,9 @@ def test_user_task_outputs_parse(tmp_path, capsys):
     import matplotlib.image
     assert matplotlib.image.imread(tmp_path / "curves.png").shape[2] in (3, 4)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    acc = EventAccumulator(str(tmp_path / "tensorboard" / "O2-bf16"))
+    run_dir = doc["tensorboard_run"]
+    assert os.path.dirname(run_dir) == str(tmp_path / "tensorboard")
+    acc = EventAccumulator(os.path.join(run_dir, "O2-bf16"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     assert {"train/loss", "loss_scale", "skipped_steps", "step_time_ms", "memory_mb", "val/loss", "val/metric"} <= tags

@@ -1,6 +1,7 @@
 # The recommendation of `mixprec compare` on synthetic per-mode results (no training): fastest
 # within tolerance wins; diverged, NaN, failed, out-of-memory, too-many-skips and out-of-tolerance
-# modes are excluded with their reason; speed-up and memory saving against O0; mode parsing.
+# modes are excluded with their reason; speed-up and memory saving against O0; the table's
+# columns and width; mode parsing.
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from mixprec.cli.modes import all_modes, default_modes, parse_modes
+from mixprec.cli.memory import CPU_KIND, CUDA_KIND
 from mixprec.cli.report import (DIVERGED, FAILED, OK, OOM, ModeResult, add_relative_figures, recommend, table,
                                 within_tolerance, write_json)
 
@@ -109,12 +111,55 @@ def test_mode_parsing():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     names = list(all_modes())
     assert names[0] == "O0" and {"O1-fp16", "O1-bf16", "O2-fp16", "O2-bf16", "O3-fp16", "O3-bf16"} <= set(names)
+    assert {"torch-fp16", "torch-bf16"} <= set(names)
     assert default_modes(cuda) == names
-    assert default_modes(cpu) == ["O0", "O1-bf16", "O2-bf16", "O3-bf16"]
+    assert default_modes(cpu) == ["O0", "O1-bf16", "O2-bf16", "O3-bf16", "torch-bf16"]
     assert [m.name for m in parse_modes("o2", cpu)] == ["O0", "O2-fp16", "O2-bf16"]
+    assert [(m.name, m.opt_level, m.dtype) for m in parse_modes("torch", cpu)] == [
+        ("O0", "O0", torch.float32), ("torch-fp16", "torch.amp", torch.float16),
+        ("torch-bf16", "torch.amp", torch.bfloat16)]
     assert [m.name for m in parse_modes("O3-bf16, O0, O3-bf16", cpu)] == ["O0", "O3-bf16"]
     assert [m.name for m in parse_modes("all", cpu)] == names
     m = parse_modes("O2-bf16", cpu)[1]
     assert (m.opt_level, m.dtype, m.dtype_name) == ("O2", torch.bfloat16, "bfloat16")
     with pytest.raises(ValueError, match=r"unknown mode 'fp8'"):
         parse_modes("O0,fp8", cpu)
+
+
+def _worst_case_results(kind: str) -> list[ModeResult]:
+    """Every mode with the widest figures a real run prints: long names, an out-of-memory mode,
+    5-digit MiB, a loss scale of 2^16, small and large losses."""
+    out = []
+    for i, name in enumerate(all_modes()):
+        r = result(name, t=1234.5678 / (i + 1), metric=0.95123456, val_loss=0.000123456, mem=81234.5, skipped=3,
+                   steps=2000, status=OOM if name == "O3-fp16" else OK)
+        r.final_loss_scale, r.memory_kind = 65536.0 if "fp16" in name else 1.0, kind
+        out.append(r)
+    add_relative_figures(out)
+    return out
+
+
+@pytest.mark.parametrize("kind", [CUDA_KIND, CPU_KIND])
+@pytest.mark.parametrize("metric_name", ["accuracy", "loss", "top-1 accuracy (percent)"])
+def test_table_fits_100_columns_without_repeats_or_cpu_memory(kind, metric_name):
+    text = table(_worst_case_results(kind), metric_name)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 100, text
+    head = lines[0].split("  ")
+    head = [h.strip() for h in head if h.strip()]
+    assert head[:4] == ["mode", "status", "s/epoch", "speed-up"] and head[-2:] == ["skipped", "scale"]
+    # No metric_fn: the loss is the metric, shown once.
+    assert sum("loss" in h for h in head) == 1 if metric_name == "loss" else f"val {metric_name[:8]}" in head
+    # On a CPU the resident-set growth is noise: no memory columns and no memory saving at all.
+    assert ("peak MB" in head and "saved" in head) == (kind == CUDA_KIND)
+    assert ("peak MB" in head) or all(r.memory_saving is None for r in _worst_case_results(kind))
+    row = lines[2].split()
+    assert row[0] == "O0" and row[-1] == "1" and "2^16" in lines[3] and "OOM" in text
+
+
+def test_table_figures():
+    results = [result("O0", t=2.0, mem=200.0), result("torch-fp16", t=1.0, mem=150.0, skipped=1, steps=400)]
+    results[1].final_loss_scale = 2.0**-3
+    add_relative_figures(results)
+    lines = table(results, "accuracy").splitlines()
+    assert lines[3].split() == ["torch-fp16", "ok", "1", "2.00x", "150", "25%", "0.3", "0.9", "<1%", "2^-3"]

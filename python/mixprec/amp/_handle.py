@@ -3,7 +3,7 @@ accumulation with delay_unscale) and the on-request views of the loss scalers.""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -23,7 +23,8 @@ def _scaler(loss_id: int) -> LossScaler:
     return _amp_state.loss_scalers[loss_id]
 
 
-def scale_loss(loss, optimizers, loss_id: int = 0, model=None, delay_unscale: bool = False,
+def scale_loss(loss: torch.Tensor, optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+               loss_id: int = 0, model: Any = None, delay_unscale: bool = False,
                delay_overflow_check: bool = False) -> "_ScaleLoss":
     """A context manager that yields ``loss.float() * scale`` for ``.backward()``; on exit it
     unscales the gradients of ``optimizers``' params (into fp32 master grads under O2) and

@@ -1,5 +1,6 @@
 """Precision modes `mixprec compare` knows: every amp opt level in float16 and in bfloat16 (O0
-is plain fp32), named like ``O2-bf16``; new opt levels in mixprec.amp appear here by themselves."""
+is plain fp32), named like ``O2-bf16``, and the torch.amp baselines ``torch-fp16``/``torch-bf16``
+that answer "should I switch"; new opt levels in mixprec.amp appear here by themselves."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from ..amp import opt_levels
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 BASELINE = "O0"
+TORCH_AMP = "torch.amp"  # the opt_level of the torch.amp baseline modes
+TORCH_PREFIX = "torch"
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,15 @@ class Mode:
         return str(self.dtype).replace("torch.", "")
 
 
+def is_torch_amp(name: str) -> bool:
+    return name.startswith(TORCH_PREFIX + "-")
+
+
+def label(name: str) -> str:
+    """How a mode reads in a sentence: ``torch-bf16`` is "torch.amp bf16", an O-level its name."""
+    return f"{TORCH_AMP} {name[len(TORCH_PREFIX) + 1:]}" if is_torch_amp(name) else name
+
+
 def all_modes() -> dict[str, Mode]:
     modes = {}
     for level in sorted(opt_levels):
@@ -32,12 +44,15 @@ def all_modes() -> dict[str, Mode]:
         else:
             for suffix, dtype in DTYPES.items():
                 modes[f"{level}-{suffix}"] = Mode(f"{level}-{suffix}", level, dtype)
+    for suffix, dtype in DTYPES.items():  # autocast (+ torch.amp.GradScaler in fp16), the task's torch optimizer
+        name = f"{TORCH_PREFIX}-{suffix}"
+        modes[name] = Mode(name, TORCH_AMP, dtype)
     return modes
 
 
 def default_modes(device: torch.device) -> list[str]:
-    """On a GPU, every mode. On a CPU, O0 and the bf16 modes: bf16 is the low precision CPUs
-    accelerate (AVX-512 BF16, AMX), while float16 has few fast CPU kernels (on a 2-core AVX-512
+    """On a GPU, every mode. On a CPU, O0 and the bf16 modes (torch-bf16 among them): bf16 is the
+    low precision CPUs accelerate (AVX-512 BF16, AMX), while float16 has few fast CPU kernels (on a 2-core AVX-512
     machine, O1-fp16 ran about 4x slower than O1-bf16 on the embedded task) and says little
     about a GPU; ask for the fp16 modes with --modes. On CPUs without AMX and on small models,
     bf16 is often slower than fp32; the compare then says so and recommends O0."""

@@ -1,6 +1,7 @@
 """Results of `mixprec compare`: one ModeResult per mode, the figures against O0, the
 recommendation (the fastest mode whose validation metric stays within a tolerance of O0's, with
-the reason each other mode was not chosen), the printed table and report.json."""
+the reason each other mode was not chosen), the printed table (100 columns at most; every
+figure is in report.json) and report.json."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .memory import CPU_KIND
 from .modes import BASELINE
 
 OK, DIVERGED, FAILED, OOM, NOT_RUN = "ok", "diverged", "failed", "out of memory", "not run"
@@ -20,7 +22,8 @@ class ModeResult:
     """Every figure measured for one mode. Times exclude validation; ``time_per_epoch`` is the
     mean over epochs after the first (warm-up) when there are several. ``peak_memory_mb``: the
     CUDA allocator's peak, or on a CPU the growth of the process's peak resident set over its
-    size when the mode started (``memory_kind`` says which)."""
+    size when the mode started (``memory_kind`` says which; ``memory_saving`` only on a GPU).
+    ``optimizer``: the optimizer class the mode stepped with."""
 
     mode: str
     opt_level: str
@@ -36,6 +39,7 @@ class ModeResult:
     peak_memory_mb: Optional[float] = None
     peak_rss_mb: Optional[float] = None
     memory_kind: str = ""
+    optimizer: Optional[str] = None
     train_loss: Optional[float] = None
     train_metric: Optional[float] = None
     val_loss: Optional[float] = None
@@ -60,22 +64,32 @@ class Recommendation:
     mode: Optional[str]
     reasons: dict = field(default_factory=dict)  # mode -> why chosen / why not
     rule: str = ""
+    candidates: list = field(default_factory=list)  # the modes that qualified, O0 first
+    versus_torch: str = ""  # the answer to "should I switch from torch.amp?" (verdict.py)
+    switch: Optional[bool] = None  # True: a mixprec mode beats torch.amp; None: no verdict
 
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def memory_comparable(results: list[ModeResult]) -> bool:
+    """Whether the peak-memory figures say something about the modes (not on a CPU)."""
+    return not any(r.memory_kind == CPU_KIND for r in results)
+
+
 def add_relative_figures(results: list[ModeResult]) -> None:
-    """Speed-up (O0's time per epoch / the mode's) and memory saving (1 - peak / O0's peak)."""
+    """Speed-up (O0's time per epoch / the mode's) and memory saving (1 - peak / O0's peak; only
+    where memory is comparable)."""
     base = next((r for r in results if r.mode == BASELINE and r.status in (OK, DIVERGED)), None)
+    memory = memory_comparable(results)
     for r in results:
         r.speedup = r.memory_saving = None
         if base is None:
             continue
         if _finite(base.time_per_epoch) and _finite(r.time_per_epoch) and r.time_per_epoch > 0:
             r.speedup = base.time_per_epoch / r.time_per_epoch
-        if _finite(base.peak_memory_mb) and _finite(r.peak_memory_mb) and base.peak_memory_mb > 0:
+        if memory and _finite(base.peak_memory_mb) and _finite(r.peak_memory_mb) and base.peak_memory_mb > 0:
             r.memory_saving = 1.0 - r.peak_memory_mb / base.peak_memory_mb
 
 
@@ -131,7 +145,7 @@ def recommend(results: list[ModeResult], tolerance: float = 0.02, max_skipped: f
         else:
             reasons[r.mode] = (f"slower: {r.time_per_epoch:.3g} s/epoch vs {best.mode}'s "
                                f"{best.time_per_epoch:.3g} s/epoch")
-    return Recommendation(best.mode, reasons, rule)
+    return Recommendation(best.mode, reasons, rule, [r.mode for r in candidates])
 
 
 # -- output -------------------------------------------------------------------------------------------
@@ -143,21 +157,48 @@ def _fmt(x: Any, spec: str) -> str:
     return format(x, spec)
 
 
+_STATUS_SHORT = {OOM: "OOM"}
+
+
+def _percent(part: int, whole: int) -> str:
+    if not whole:
+        return "-"
+    share = 100.0 * part / whole
+    return "<1%" if 0 < share < 1 else f"{share:.0f}%"
+
+
+def _scale(x: Optional[float]) -> str:
+    """A loss scale as ``2^16`` when it is a power of two (dynamic scales always are), short either way."""
+    if _finite(x) and x > 0:
+        mantissa, exponent = math.frexp(x)
+        if mantissa == 0.5:
+            return "1" if exponent == 1 else f"2^{exponent - 1}"
+    return _fmt(x, ".3g")
+
+
 def table(results: list[ModeResult], metric_name: str) -> str:
-    """The per-mode table as aligned plain text."""
-    m = metric_name[:10]
-    head = ["mode", "status", "s/epoch", "samples/s", "speed-up", "peak MB", "mem save", "train loss",
-            f"train {m}", "val loss", f"val {m}", "skipped", "loss scale"]
+    """The per-mode table as aligned plain text, 100 columns at most: what a choice rests on
+    (speed, memory on a GPU, validation figures, skipped steps, the final loss scale). Training
+    means, throughput and curves are in report.json."""
+    memory = memory_comparable(results)
+    separate_metric = metric_name != "loss"  # without a metric_fn the loss is the metric: one column
+    head = ["mode", "status", "s/epoch", "speed-up"] + (["peak MB", "saved"] if memory else []) + \
+        ["val loss"] + ([f"val {metric_name[:8]}"] if separate_metric else []) + ["skipped", "scale"]
     rows = [head]
     for r in results:
-        rows.append([r.mode, r.status, _fmt(r.time_per_epoch, ".3f"), _fmt(r.samples_per_s, ".0f"),
-                     _fmt(r.speedup, ".2f") + ("x" if r.speedup is not None else ""), _fmt(r.peak_memory_mb, ".1f"),
-                     _fmt(None if r.memory_saving is None else 100 * r.memory_saving, ".0f") +
-                     ("%" if r.memory_saving is not None else ""),
-                     _fmt(r.train_loss, ".4f"), _fmt(r.train_metric, ".4f"), _fmt(r.val_loss, ".4f"),
-                     _fmt(r.val_metric, ".4f"), f"{r.skipped_steps}/{r.steps}", _fmt(r.final_loss_scale, "g")])
+        row = [r.mode, _STATUS_SHORT.get(r.status, r.status), _fmt(r.time_per_epoch, ".4g"),
+               _fmt(r.speedup, ".2f") + ("x" if r.speedup is not None else "")]
+        if memory:
+            row += [_fmt(r.peak_memory_mb, ".0f"),
+                    _fmt(None if r.memory_saving is None else 100 * r.memory_saving, ".0f") +
+                    ("%" if r.memory_saving is not None else "")]
+        row.append(_fmt(r.val_loss, ".4g"))
+        if separate_metric:
+            row.append(_fmt(r.val_metric, ".4g"))
+        row += [_percent(r.skipped_steps, r.steps), _scale(r.final_loss_scale)]
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -1,9 +1,11 @@
-"""Trains the task under one precision mode through mixprec.amp and measures it: time per epoch,
-throughput, peak memory, losses and metric, skipped steps and loss scale, with mixprec's
-diagnostics watching. Any error becomes the mode's status and reason, never a crash."""
+"""Trains the task under one precision mode (through mixprec.amp, or torch.amp for the baselines)
+and measures it: time per epoch, throughput, peak memory, losses and metric, skipped steps and
+loss scale, with mixprec's diagnostics watching. Any error becomes the mode's status and reason,
+never a crash."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -16,9 +18,10 @@ from .. import amp, diagnostics
 from ..amp._casts import applier
 from ..amp._scaler import _amp_state
 from .memory import MemoryMeter
-from .modes import Mode
+from .modes import TORCH_AMP, Mode
 from .report import DIVERGED, FAILED, OK, OOM, ModeResult
 from .task import Task, TaskError, build_task
+from .torch_amp import NoTorchEquivalent, TorchAmpPrecision, optimizer_name
 
 MAX_EVENTS_KEPT = 20
 
@@ -118,14 +121,16 @@ def _to(device: torch.device, value: Any) -> Any:
 
 
 @torch.no_grad()
-def evaluate(task: Task, device: torch.device, cap: Optional[int]) -> tuple[Optional[float], Optional[float]]:
+def evaluate(task: Task, device: torch.device, cap: Optional[int],
+             autocast: Callable[[], Any] = contextlib.nullcontext) -> tuple[Optional[float], Optional[float]]:
     task.model.eval()
     avg = _Averager()
     for batch in _capped(task.val_loader, cap):
         x, y = _unpack(batch, "val_loader")
         x, y = _to(device, x), _to(device, y)
-        out = task.model(x)
-        loss = _num(task.loss_fn(out, y))
+        with autocast():
+            out = task.model(x)
+            loss = _num(task.loss_fn(out, y))
         metric = _num(task.metric_fn(out, y)) if task.metric_fn is not None else loss
         avg.add(loss, metric, _batch_size(y, x))
         if not math.isfinite(loss):  # a NaN batch makes the whole validation non-finite
@@ -158,6 +163,60 @@ def warm_up(factory: Callable, where: str, device: torch.device, cfg: RunConfig,
         pass
 
 
+class AmpPrecision:
+    """One mixprec.amp mode's training step: amp.initialize at the mode's opt level and dtype,
+    amp.scale_loss, and mixprec's diagnostics Monitor on the loss scale (it raises
+    LossScaleStuckError when the scale is stuck at its floor)."""
+
+    def __init__(self, mode: Mode, task: Task, patience: int, max_events: int) -> None:
+        self.optimizer_name = optimizer_name(task.optimizer)
+        task.model, task.optimizer = amp.initialize(task.model, task.optimizer, opt_level=mode.opt_level,
+                                                    dtype=None if mode.opt_level == "O0" else mode.dtype,
+                                                    verbosity=0)
+        self.optimizer = task.optimizer
+        self.scaler = _amp_state.loss_scalers[0]
+        self.monitor = diagnostics.Monitor(task.model, patience=patience, max_events=max_events)
+        self.watch_loss = self.monitor.watch_loss
+        self.stuck: Optional[diagnostics.LossScaleStuckError] = None
+        self.autocast = contextlib.nullcontext  # O1 puts the model's own forward under autocast
+
+    def backward_step(self, loss: torch.Tensor) -> None:
+        try:
+            with amp.scale_loss(loss, self.optimizer) as scaled:
+                scaled.backward()
+            self.optimizer.step()
+        except diagnostics.LossScaleStuckError as e:  # raised by check(), once the step is counted
+            self.stuck = e
+
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale()
+
+    def check(self) -> None:
+        if self.stuck is not None:
+            raise self.stuck
+
+    @property
+    def skipped(self) -> int:
+        return self.monitor.overflows
+
+    @property
+    def events(self) -> list:
+        return self.monitor.events
+
+    def close(self) -> None:
+        self.monitor.close()
+
+
+def make_precision(mode: Mode, task: Task, device: torch.device, cfg: RunConfig):
+    """The object that trains ``task`` in ``mode``: autocast(), watch_loss(loss),
+    backward_step(loss), check() (raises once the mode is stuck), loss_scale(), skipped, events,
+    optimizer_name, close(). For a torch.amp mode whose task optimizer torch cannot express it
+    raises NoTorchEquivalent, which fails that mode alone."""
+    if mode.opt_level == TORCH_AMP:
+        return TorchAmpPrecision(mode, task, device, cfg.patience, MAX_EVENTS_KEPT)
+    return AmpPrecision(mode, task, cfg.patience, MAX_EVENTS_KEPT)
+
+
 def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cfg: RunConfig,
              init_state: dict, sink: Any = None, metric_info: Optional[dict] = None) -> ModeResult:
     """Trains one mode from the initial weights in ``init_state`` (filled by warm_up, or by this
@@ -170,7 +229,7 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
     meter = MemoryMeter(device)
     r.memory_kind = meter.kind
     meter.start()
-    monitor = debugger = bar = None
+    precision = debugger = bar = None
     epoch_samples_seen: list[int] = []
     try:
         torch.manual_seed(cfg.seed)
@@ -185,11 +244,8 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
             except RuntimeError as e:
                 raise TaskError(f"{where}: the model differs between calls, so modes cannot start from the same "
                                 f"weights: {one_line(e)}") from e
-        task.model, task.optimizer = amp.initialize(task.model, task.optimizer, opt_level=mode.opt_level,
-                                                    dtype=None if mode.opt_level == "O0" else mode.dtype,
-                                                    verbosity=0)
-        scaler = _amp_state.loss_scalers[0]
-        monitor = diagnostics.Monitor(task.model, patience=cfg.patience, max_events=MAX_EVENTS_KEPT)
+        precision = make_precision(mode, task, device, cfg)
+        r.optimizer = precision.optimizer_name
         if cfg.debug_forward:
             debugger = diagnostics.ForwardDebugger(task.model)
         per_epoch = _steps_per_epoch(task.train_loader, cfg.steps_per_epoch)
@@ -208,11 +264,10 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
                 x, y = _unpack(batch, "train_loader")
                 x, y = _to(device, x), _to(device, y)
                 task.optimizer.zero_grad(set_to_none=True)
-                out = task.model(x)
-                loss = monitor.watch_loss(task.loss_fn(out, y))
-                with amp.scale_loss(loss, task.optimizer) as scaled:
-                    scaled.backward()
-                task.optimizer.step()
+                with precision.autocast():
+                    out = task.model(x)
+                    loss = precision.watch_loss(task.loss_fn(out, y))
+                precision.backward_step(loss)
                 loss_value = _num(loss)  # one host read per step, as most training loops log
                 metric = _num(task.metric_fn(out.detach(), y)) if task.metric_fn is not None else None
                 step_ms = 1e3 * (time.perf_counter() - ts)
@@ -221,9 +276,9 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
                 epoch_samples += n
                 r.steps += 1
                 r.loss_curve.append(loss_value)
-                r.scale_curve.append(scaler.loss_scale())
+                r.scale_curve.append(precision.loss_scale())
                 r.step_time_ms.append(step_ms)
-                r.skipped_steps = monitor.overflows
+                r.skipped_steps = precision.skipped
                 if not math.isfinite(loss_value):
                     r.nan_loss_steps += 1
                     nan_run += 1
@@ -231,6 +286,7 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
                         raise Diverged(f"loss non-finite for {nan_run} steps in a row (since step {r.steps - nan_run})")
                 else:
                     nan_run = 0
+                precision.check()
                 if sink is not None:
                     sink.on_step(r.steps, {"train/loss": loss_value, "loss_scale": r.scale_curve[-1],
                                            "skipped_steps": r.skipped_steps, "step_time_ms": step_ms,
@@ -244,7 +300,7 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
             r.samples += epoch_samples
             r.epochs = epoch + 1
             r.train_loss, r.train_metric = avg.means(nonfinite_if_empty=avg.n_loss == 0 and epoch_samples > 0)
-            r.val_loss, r.val_metric = evaluate(task, device, cfg.val_steps)
+            r.val_loss, r.val_metric = evaluate(task, device, cfg.val_steps, precision.autocast)
             r.val_loss_curve.append(r.val_loss)
             r.val_metric_curve.append(r.val_metric)
             if sink is not None:
@@ -262,28 +318,30 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
         r.status, r.error = FAILED, str(e)
         e.result = r
         raise
+    except NoTorchEquivalent as e:  # this mode cannot run on this task; the others can
+        r.status, r.error = FAILED, str(e)
     except Exception as e:  # an op without a kernel for this dtype, a user bug, ...: recorded, not fatal
         r.status, r.error = (OOM if is_oom(e) else FAILED), one_line(e)
     finally:
         if bar is not None:
             bar.close()
-        _finish(r, meter, monitor, debugger, epoch_samples_seen)
+        _finish(r, meter, precision, debugger, epoch_samples_seen)
     return r
 
 
-def _finish(r: ModeResult, meter: MemoryMeter, monitor, debugger, epoch_samples: list[int]) -> None:
+def _finish(r: ModeResult, meter: MemoryMeter, precision, debugger, epoch_samples: list[int]) -> None:
     if r.epoch_times:
         skip = 1 if len(r.epoch_times) > 1 else 0  # the first of several epochs is warm-up
         timed = sum(r.epoch_times[skip:])
         r.time_per_epoch = timed / (len(r.epoch_times) - skip)
         r.samples_per_s = sum(epoch_samples[skip:]) / timed if timed > 0 else None
-    if monitor is not None:
-        r.skipped_steps = monitor.overflows
-        r.overflow_events = [vars(e) for e in monitor.events]
-        r.nonfinite_params = sorted({p for e in monitor.events for p in e.params})
-        monitor.close()
-    if _amp_state.loss_scalers and r.steps:
-        r.final_loss_scale = _amp_state.loss_scalers[0].loss_scale()
+    if precision is not None:
+        r.skipped_steps = precision.skipped
+        r.overflow_events = [vars(e) for e in precision.events]
+        r.nonfinite_params = sorted({p for e in precision.events for p in e.params})
+        if r.steps:
+            r.final_loss_scale = precision.loss_scale()
+        precision.close()
     if debugger is not None:
         if debugger.first is not None:
             r.first_nonfinite_module = str(debugger.first)
