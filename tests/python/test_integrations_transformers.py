@@ -96,6 +96,30 @@ def test_trainer_o2_learns_clips_masters_and_skips_an_inf_step(tmp_path, dtype, 
     assert amp.skipped_steps() == 1
 
 
+def test_trainer_checkpoint_resumes_bit_for_bit(tmp_path):
+    def run(seed, max_steps, folder, resume=None, **overrides):
+        model = tiny_llama(seed)
+
+        def inject(module, inputs, logits):  # an overflow before the checkpoint: the scale halves
+            if trainer.state.global_step == 1 and torch.is_grad_enabled():
+                logits.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+
+        model.lm_head.register_forward_hook(inject)
+        trainer = MixprecTrainer(model=model, args=training_args(folder, max_steps=max_steps, **overrides),
+                                 train_dataset=counting_data(), optimizers=(FusedAdam(model.parameters(), lr=1e-2), None),
+                                 amp_kwargs={"verbosity": 0})
+        trainer.train(resume_from_checkpoint=resume)
+        return snapshot(model, trainer.optimizer.optimizer), amp.state_dict()
+
+    full, full_scaler = run(0, 8, tmp_path / "full")
+    run(0, 4, tmp_path / "half", save_strategy="steps", save_steps=4)
+    saved = torch.load(tmp_path / "half" / "checkpoint-4" / "mixprec_amp.pt", weights_only=True)
+    assert saved["loss_scaler0"]["loss_scale"] == 2.0 ** 15 and saved["loss_scaler0"]["_skipped_steps"] == 1
+    resumed, scaler = run(1, 8, tmp_path / "half", resume=True)  # other initial weights
+    assert_same(resumed, full, "resumed vs uninterrupted")
+    assert scaler == full_scaler
+
+
 def test_accelerates_own_mixed_precision_is_refused(tmp_path):
     model = tiny_llama()
     with pytest.raises(ValueError, match=r"MixprecTrainer: args.fp16 and args.bf16 must be False"):

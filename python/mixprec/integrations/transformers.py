@@ -3,17 +3,33 @@ model and optimizer (pass a mixprec fused optimizer through ``optimizers=(...)``
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
 
 try:
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 except ImportError as err:  # an optional dependency: say what to install
     raise ImportError("mixprec.integrations.transformers needs the `transformers` package "
                       "(pip install transformers accelerate)") from err
 
 from ._session import AmpSession
+
+AMP_STATE_FILE = "mixprec_amp.pt"  # amp's loss scalers, beside the Trainer's optimizer.pt in each checkpoint
+
+
+class _SaveAmpState(TrainerCallback):
+    """Writes amp's scalers into the checkpoint folder the Trainer has just written (on_save)."""
+
+    def __init__(self, session: AmpSession) -> None:
+        self.session = session
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero and self.session.initialized:
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            torch.save(self.session.state_dict(), os.path.join(folder, AMP_STATE_FILE))
 
 
 class MixprecTrainer(Trainer):
@@ -28,10 +44,11 @@ class MixprecTrainer(Trainer):
     amp.initialize runs when the Trainer creates (or takes) its optimizer, before
     ``accelerator.prepare``. Each backward is scaled and then unscaled into the fp32 masters;
     an overflowing step is skipped on the device and the scale backs off; ``max_grad_norm``
-    clips (and ``grad_norm`` reports) the masters' unscaled gradients. Not covered: amp's scale is
-    not in the Trainer's checkpoints (a resumed run starts from the initial scale), the LR
-    scheduler still advances on a skipped step, and DeepSpeed/FSDP (which create the optimizer
-    after wrapping the model) are refused by amp.initialize.
+    clips (and ``grad_norm`` reports) the masters' unscaled gradients. Checkpoints hold amp's
+    scalers (``mixprec_amp.pt``, beside ``optimizer.pt``, whose FusedAdam state has the masters)
+    and ``train(resume_from_checkpoint=...)`` restores them. Not covered: the LR scheduler still
+    advances on a skipped step, and DeepSpeed/FSDP (which create the optimizer after wrapping the
+    model) and hyper-parameter search (other checkpoint folders) are untested.
     """
 
     def __init__(self, *args: Any, opt_level: str = "O2", dtype: torch.dtype = torch.float16, loss_scale: Any = None,
@@ -42,12 +59,23 @@ class MixprecTrainer(Trainer):
             raise ValueError("MixprecTrainer: args.fp16 and args.bf16 must be False: mixprec.amp casts and scales "
                              f"(opt_level={opt_level!r}, dtype={dtype}); accelerate's autocast and GradScaler on top "
                              "would scale twice")
-        self._mixprec = session
+        self._mixprec, self._mixprec_resume = session, None
         super().__init__(*args, **kwargs)
+        self.add_callback(_SaveAmpState(session))
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        folder = resume_from_checkpoint
+        if isinstance(folder, bool):
+            folder = get_last_checkpoint(self.args.output_dir) if folder else None
+        self._mixprec_resume = folder  # read once amp is initialized, in create_optimizer
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(*args, **kwargs)
         self._mixprec.initialize(self.model, [optimizer])
+        path = os.path.join(self._mixprec_resume, AMP_STATE_FILE) if self._mixprec_resume else None
+        if path is not None and os.path.isfile(path):  # a plain Trainer's checkpoint has none: the scale starts fresh
+            self._mixprec.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return optimizer
 
     def create_accelerator_and_postprocess(self) -> None:
