@@ -215,3 +215,62 @@ def test_checkpoint_resumes_bitwise(family, dtype):
         assert p.dtype == expected_params[n].dtype and torch.equal(p.detach(), expected_params[n]), n
     for n, b in model.named_buffers():
         assert b.dtype == expected_buffers[n].dtype and torch.equal(b, expected_buffers[n]), n
+
+
+# ---- what the models found in amp.initialize's cast ---------------------------------------------
+
+
+class FrequencyTable(torch.nn.Module):
+    """A module that keeps its frequency buffer fp32 on a cast, as timm's rotary embeddings do
+    (their _apply rebuilds the bands in fp32 after model.to(bf16))."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("freq", 1.0 / 10000 ** (torch.arange(8) / 8), persistent=False)
+        self.register_buffer("table", torch.randn(8))
+
+    def _apply(self, fn, *args, **kwargs):
+        module = super()._apply(fn, *args, **kwargs)
+        if self.freq.dtype != torch.float32:
+            self.freq = 1.0 / 10000 ** (torch.arange(8, device=self.freq.device) / 8)
+        return module
+
+    def forward(self, x):
+        angles = torch.arange(x.shape[0], device=x.device)[:, None] * self.freq
+        return self.proj(x) * angles.cos().to(x.dtype)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_cast_goes_through_the_modules_apply(level):
+    """O2/O3 cast each module as module.to(dtype) would, through its _apply: a module that keeps a
+    buffer in fp32 on a cast keeps it (before: its frequencies were rounded to bf16 behind its back)."""
+    torch.manual_seed(0)
+    model = FrequencyTable()
+    freq, table = model.freq.clone(), model.table.clone()
+    model.proj.weight.grad = torch.randn(8, 8)
+    model = amp.initialize(model, opt_level=level, dtype=torch.bfloat16, verbosity=0)
+    assert model.freq.dtype == torch.float32 and torch.equal(model.freq, freq)
+    assert model.table.dtype == torch.bfloat16 and torch.equal(model.table, table.bfloat16())
+    assert model.proj.weight.dtype == torch.bfloat16 and model.proj.weight.grad.dtype == torch.bfloat16
+    assert torch.isfinite(model(torch.randn(4, 8))).all()
+
+
+def test_llama_rotary_frequencies_stay_fp32_under_o2():
+    """transformers' rotary embedding computes cos/sin in fp32 from inv_freq and returns them in the
+    input's dtype; O2 used to round inv_freq to bf16, turning the angles at position 1000 by up to a
+    radian. Now cos/sin match the fp32 model's to bf16's rounding of the result, as under torch.amp."""
+    spec = spec_of("llama")
+    torch.manual_seed(0)
+    ref = zoo.build(spec, True, 2048, 0, CPU)
+    model = amp.initialize(copy.deepcopy(ref), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    rotary, ref_rotary = model.model.rotary_emb, ref.model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, ref_rotary.inv_freq)
+    positions = torch.randint(0, 2048, (1, 256))
+    x = torch.randn(1, 256, 64)
+    cos, sin = rotary(x.bfloat16(), positions)
+    ref_cos, ref_sin = ref_rotary(x, positions)
+    assert cos.dtype == torch.bfloat16
+    for got, want in ((cos, ref_cos), (sin, ref_sin)):
+        assert (got.float() - want).abs().max() <= 2.0**-8  # bf16's rounding of values in [-1, 1]
+    assert any(p.dtype == torch.bfloat16 for p in model.parameters())
