@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import sys
 from typing import Callable
 
@@ -92,9 +93,11 @@ def _llama(tiny: bool, seq_len: int) -> torch.nn.Module:
 def _resnet50(tiny: bool, seq_len: int) -> torch.nn.Module:
     import timm
 
-    # Tiny: ResNet-50's bottleneck blocks and BatchNorms, one block per stage, 1/8 of the width.
-    kwargs = (dict(layers=(1, 1, 1, 1), channels=(8, 16, 32, 64), stem_width=8, num_classes=10) if tiny
-              else dict(num_classes=1000))
+    kwargs = dict(num_classes=1000)
+    if tiny:  # ResNet-50's bottleneck blocks and BatchNorms, one block per stage, narrow
+        narrow = ({"channels": (8, 16, 32, 64)} if "channels" in inspect.signature(timm.models.resnet.ResNet).parameters
+                  else {"base_width": 16})  # timm releases before ResNet(channels=...)
+        kwargs = dict(layers=(1, 1, 1, 1), stem_width=8, num_classes=10, **narrow)
     return timm.create_model("resnet50", pretrained=False, **kwargs).to(memory_format=torch.channels_last)
 
 

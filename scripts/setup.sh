@@ -63,6 +63,11 @@ if ! "$VPY" -c "$TORCH_RANGE_CHECK" 2>/dev/null; then
 fi
 log "installing the build and test tools (scripts/requirements.txt)"
 "$VPY" -m pip install -q -r scripts/requirements.txt
+# The real-model tests' libraries (mixprec[bench]: tests/python/test_real_models.py), with torch pinned
+# to the one installed: timm needs torchvision, whose newest release would otherwise replace torch.
+# Optional: where they cannot be installed (no network), those tests skip and say why.
+"$VPY" -m pip install -q "transformers>=4.45" "timm>=1.0" "torch==$("$VPY" -c 'import torch; print(torch.__version__)')" \
+  || log "warning: transformers/timm not installed; tests/python/test_real_models.py will skip"
 
 # --- 4. Build and install mixprec into the venv ----------------------------------------------
 log "building mixprec (torch $("$VPY" -c 'import torch; print(torch.__version__)')): a first build takes" \
