@@ -122,7 +122,7 @@ def sync(device: torch.device) -> None:
 def run(spec, variant: str, dtype_name: str, batches: Batches, held_out: tuple, device: torch.device, args) -> dict:
     name = f"torch-{dtype_name}" if variant == "torch" else f"mixprec-{variant}-{dtype_name}"
     row: dict = {"model": spec.name, "variant": name, "level": variant, "dtype": dtype_name, "status": "ok",
-                 "peer": None if variant == "torch" else f"torch-{dtype_name}"}
+                 "peer": None if variant == "torch" else f"torch-{dtype_name}", "batch": batches.batch_size}
     trainer = model = None
     try:
         release(device)
@@ -190,9 +190,9 @@ def bars(rows: list[dict]) -> list[str]:
     return out
 
 
-COLUMNS = ["model", "variant", "status", "per_s", "speed_vs_peer", "ms", "peak_GiB", "mem_vs_peer", "train_loss",
+COLUMNS = ["model", "variant", "batch", "status", "per_s", "speed_vs_peer", "ms", "peak_GiB", "mem_vs_peer", "train_loss",
            "loss", "loss_vs_peer_pct", "skipped_steps"]
-HEADERS = ["model", "variant", "status", "items/s", "x torch.amp", "ms/step", "peak GiB", "mem x torch.amp",
+HEADERS = ["model", "variant", "batch", "status", "items/s", "x torch.amp", "ms/step", "peak GiB", "mem x torch.amp",
            "last train loss", "held-out loss", "loss vs torch.amp %", "skipped"]
 
 
@@ -204,7 +204,7 @@ def markdown(rows: list[dict], env: dict, args) -> str:
     units = ", ".join(f"{name}: {MODELS[name].unit()}" for name in dict.fromkeys(r["model"] for r in rows))
     lines = [f"{env['date']} | {common.device_label(env)} | torch {env['torch']} | mixprec {env['mixprec']} | "
              f"transformers {env.get('transformers', '-')} | timm {env.get('timm', '-')}",
-             f"`{env['command']}`: {args.warmup} warm-up + {args.steps} timed steps, batch {args.batch_size}"
+             f"`{env['command']}`: {args.warmup} warm-up + {args.steps} timed steps"
              f"{', sequence ' + str(args.seq_len) if any(MODELS[m].kind == 'lm' for m in args.model_list) else ''}; "
              f"items/s are {units}.", "", table(rows)]
     verdicts = bars(rows)
@@ -276,6 +276,8 @@ def variants_of(spec, args) -> list[tuple[str, str]]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     device = common.resolve_device(args.parser, args)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as image models train; the warm-up steps pick the kernels
     missing = import_libraries()
     for lib, why in missing.items():
         models = [m for m in args.model_list if MODELS[m].library == lib]
@@ -297,7 +299,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         held_out = batches[len(batches) - 1]  # never trained on: the runs use the ones before it
         for variant, dtype in variants_of(spec, args):
             row = run(spec, variant, dtype, batches, held_out, device, args)
-            row["batch"] = batch
             rows.append(row)
             brief = (f"{row['per_s']:.1f} {spec.unit()}, loss {row['loss']:.4f}"
                      + (f", peak {row['peak_GiB']:.2f} GiB" if "peak_GiB" in row else "")) if "loss" in row else ""

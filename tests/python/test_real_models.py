@@ -17,6 +17,9 @@ BENCH = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "ben
 sys.path.insert(0, BENCH)
 
 import real_models_zoo as zoo  # noqa: E402
+# One ATen thread (autouse): on shared cores two spinning OpenMP threads made a tiny ResNet step
+# take seconds instead of 15 ms.
+from amp_support import one_cpu_thread  # noqa: E402
 
 from mixprec import amp  # noqa: E402
 from mixprec.optimizers import FusedAdam  # noqa: E402
@@ -25,16 +28,6 @@ FAMILIES = list(zoo.MODELS)
 SEQ, BATCH = 16, 8
 HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models on shared cores: with 2 OpenMP threads spinning against other processes, a tiny
-    # ResNet step took seconds instead of 15 ms (BatchNorm's parallel loops waiting on each other).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def spec_of(name: str) -> zoo.ModelSpec:
@@ -274,3 +267,57 @@ def test_llama_rotary_frequencies_stay_fp32_under_o2():
     for got, want in ((cos, ref_cos), (sin, ref_sin)):
         assert (got.float() - want).abs().max() <= 2.0**-8  # bf16's rounding of values in [-1, 1]
     assert any(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+# ---- the benchmark script -----------------------------------------------------------------------
+
+
+def run_benchmark(tmp_path, *args: str) -> dict:
+    import json
+
+    import real_models
+
+    out = tmp_path / "rows.json"
+    code = real_models.main(["--tiny", "--device", "cpu", "--threads", "1", "--steps", "1", "--warmup", "1",
+                             "--json", str(out), "--markdown", str(tmp_path / "rows.md"), *args])
+    with open(out) as f:
+        return {"code": code, **json.load(f)}
+
+
+def test_benchmark_runs_a_model_beside_its_peer(tmp_path):
+    spec_of("gpt2")
+    data = run_benchmark(tmp_path, "--models", "gpt2", "--levels", "O2-bf16")
+    assert data["code"] == 0
+    rows = {r["variant"]: r for r in data["results"]}
+    assert list(rows) == ["torch-bf16", "mixprec-O2-bf16"]
+    row = rows["mixprec-O2-bf16"]
+    assert row["status"] == "ok" and row["peer"] == "torch-bf16" and row["skipped_steps"] == 0
+    assert row["per_s"] > 0 and math.isfinite(row["loss"]) and math.isfinite(row["speed_vs_peer"])
+    # The same weights and batches: after one update the losses differ by bf16's rounding only.
+    assert abs(row["loss_vs_peer_pct"]) < 1.0
+    assert "| mixprec-O2-bf16 |" in (tmp_path / "rows.md").read_text()
+
+
+def test_benchmark_names_a_missing_library_and_runs_the_rest(tmp_path, monkeypatch, capsys):
+    spec_of("gpt2")
+    import real_models
+
+    monkeypatch.setattr(real_models, "import_libraries", lambda: {"timm": "ModuleNotFoundError: No module named 'timm'"})
+    data = run_benchmark(tmp_path, "--models", "vit,gpt2", "--levels", "O2-bf16")
+    err = capsys.readouterr().err
+    assert "timm is not available" in err and "skipping vit" in err and zoo.INSTALL_HINT in err
+    assert {r["model"] for r in data["results"]} == {"gpt2"} and data["code"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", "gpt3"], "--models: unknown model(s) ['gpt3']"),
+    (["--levels", "O4"], "--levels: unknown level 'O4'"),
+    (["--levels", "O2-fp8"], "--levels: unknown level 'O2-fp8'"),
+    (["--steps", "0"], "--steps must be >= 1"),
+])
+def test_benchmark_refuses_bad_arguments(argv, message, capsys):
+    import real_models
+
+    with pytest.raises(SystemExit) as exc:
+        real_models.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
