@@ -185,30 +185,53 @@ def test_o2_step_matches_fp32_master_reference(family, dtype):
 # ---- checkpoint round trip ----------------------------------------------------------------------
 
 
+def make_amp(spec, route: str, dtype: torch.dtype, seed: int):
+    if route == "fused":
+        return amp_model(spec, "O2", dtype, seed=seed, max_loss_scale=2.0**10)
+    model = fresh(spec, seed)  # a torch optimizer: Apex's fp32 masters in its param groups
+    optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    return amp.initialize(model, optimizer, opt_level="O2", dtype=dtype, verbosity=0, max_loss_scale=2.0**10)
+
+
+def save(route: str, model, optimizer) -> dict:
+    if route == "fused":  # the three state_dicts of Apex's recipe hold everything here
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict()}
+    return {"amp_checkpoint": amp.checkpoint_state(model, optimizer)}  # masters in param groups too
+
+
+def load(state: dict, model, optimizer) -> None:
+    if "amp_checkpoint" in state:
+        amp.load_checkpoint_state(state["amp_checkpoint"], model, optimizer)
+        return
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    amp.load_state_dict(state["amp"])
+
+
+@pytest.mark.parametrize("route", ["fused", "torch-adamw"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_checkpoint_resumes_bitwise(family, dtype):
+def test_checkpoint_resumes_bitwise(family, dtype, route):
     """model + optimizer (masters, moments, steps) + amp (loss scale) through torch.save and
-    torch.load(weights_only=True): a model built from other weights resumes exactly. The RNG
-    state goes along, as training loops save it: GPT-2 and Llama's configs have dropout."""
+    torch.load(weights_only=True): a model built from other weights resumes exactly. FusedAdam
+    keeps the masters in its state_dict; a torch optimizer's are in its param groups, which
+    amp.checkpoint_state saves (docs/amp.md, "Checkpoints"). The RNG state goes along, as
+    training loops save it: GPT-2 and Llama's configs have dropout."""
     spec = spec_of(family)
     data = batches(spec, 5)
-    model, optimizer = amp_model(spec, "O2", dtype, max_loss_scale=2.0**10)
+    model, optimizer = make_amp(spec, route, dtype, seed=0)
     train(spec, model, optimizer, data, range(3), True)
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "amp": amp.state_dict(),
-                "rng": torch.get_rng_state()}, buf)
+    torch.save({**save(route, model, optimizer), "rng": torch.get_rng_state()}, buf)
     expected = train(spec, model, optimizer, data, range(3, 5), True)
     expected_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     expected_buffers = {n: b.clone() for n, b in model.named_buffers()}
     del model, optimizer
 
-    model, optimizer = amp_model(spec, "O2", dtype, seed=7, max_loss_scale=2.0**10)
+    model, optimizer = make_amp(spec, route, dtype, seed=7)
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    amp.load_state_dict(state["amp"])
+    load(state, model, optimizer)
     torch.set_rng_state(state["rng"])
     assert train(spec, model, optimizer, data, range(3, 5), True) == expected
     for n, p in model.named_parameters():
