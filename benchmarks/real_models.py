@@ -3,7 +3,8 @@ decoder, timm ResNet-50 (channels_last) and ViT-B/16, random-initialized, traine
 
     python benchmarks/real_models.py --markdown out/real_models.md --json out/real_models.json   # H200
     python benchmarks/real_models.py --models gpt2,vit --levels O2-fp16 --steps 30
-    python benchmarks/real_models.py --tiny --device cpu --steps 4                             # smoke run
+    python benchmarks/real_models.py --models llama --levels O2 --profile                      # where time goes
+    python benchmarks/real_models.py --tiny --device cpu --threads 1 --steps 4                 # smoke run
 
 Per model and variant: mixprec amp O1/O2 (FusedAdam in AdamW mode; amp's dynamic loss scaling for
 fp16) and its torch.amp peer of the same dtype (autocast, AdamW(fused=True), GradScaler for fp16),
@@ -31,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from e2e_phases import profile_steps  # noqa: E402
 from real_models_zoo import INSTALL_HINT, MODELS, Batches, build, import_libraries, loss_of  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -70,21 +72,29 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor, clock=None) -> torch.Tensor:
+        """One training step; ``clock`` (e2e_phases.PhaseClock, under --profile) marks its phases."""
+        mark = clock.mark if clock is not None else (lambda phase: None)
         self.optimizer.zero_grad(set_to_none=True)
         with self._ctx():
             loss = loss_of(self.spec, self.model, x, y)
+        mark("forward")
         if self.amp is not None:
             with self.amp.scale_loss(loss, self.optimizer) as scaled:
                 scaled.backward()
+                mark("backward")
+            mark("loss_scale")  # scale_loss's exit: the non-finite check and the scale update
             self.optimizer.step()
-        elif self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
         else:
-            loss.backward()
-            self.optimizer.step()
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            mark("backward")
+            mark("loss_scale")  # torch's scaler checks inside step()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        mark("optimizer")
         return loss.detach()
 
     @torch.no_grad()
@@ -148,6 +158,9 @@ def run(spec, variant: str, dtype_name: str, batches: Batches, held_out: tuple, 
         row["skipped_steps"] = len(losses) - trainer.applied_steps()
         if not (torch.isfinite(curve).all() and math.isfinite(row["loss"])):
             row["status"] = "non-finite loss"
+        elif args.profile:  # after the figures above: the profiled steps train on, off the record
+            row["profile"] = profile_steps(lambda i, clock: trainer.step(*batches[i], clock), device, 0,
+                                           args.profile_steps)
     except Exception as err:  # noqa: BLE001 - one run's failure (OOM, an op missing) must not end the others
         text = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         row["status"] = f"error: {type(err).__name__}: {text}"
@@ -156,6 +169,22 @@ def run(spec, variant: str, dtype_name: str, batches: Batches, held_out: tuple, 
         trainer = model = None  # noqa: F841 - dropped before release()
     release(device)
     return row
+
+
+def print_profile(row: dict) -> None:
+    """Where a variant's step goes: per phase wall / host / kernel time, kernels by kind, the top
+    kernels (kernel times on CUDA only)."""
+    p = row["profile"]
+    print(f"\nProfile {row['model']} {row['variant']} ({p['steps']} steps, synchronized after each phase; "
+          f"unsynced step {row['ms']:.2f} ms)")
+    print(common.format_table([dict(phase=k, **v) for k, v in p["phases"].items()],
+                              ["phase", "wall_ms", "host_ms", "busy_ms", "idle_ms"],
+                              ["phase", "wall ms", "host ms", "kernels ms", "idle ms"]))
+    if "busy_ms" in p:
+        print(f"kernels {p['busy_ms']:.2f} ms per step; by kind (ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in p["kinds_ms"].items()))
+        for name, ms in p["top_kernels_ms"]:
+            print(f"  {ms:8.3f} ms  {name}")
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -234,6 +263,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="default: cuda if available, else cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     parser.add_argument("--seed", type=int, default=1234, help="weights and data seed (default 1234)")
+    parser.add_argument("--profile", action="store_true", help="after each run, its phases (forward, backward, "
+                        "loss_scale, optimizer) synchronized, and on CUDA its kernels under torch.profiler")
+    parser.add_argument("--profile-steps", type=int, default=3, help="steps per profiling pass (default 3)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help="write the table, its setting and the bars as Markdown here (for benchmarks/RESULTS.md)")
@@ -250,8 +282,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.level_list.append((level, dtype.lower() or None))
     if not args.level_list:
         parser.error("--levels: no level given")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.profile_steps < 1:
+        parser.error("--steps and --profile-steps must be >= 1, --warmup >= 0")
     args.seq_len = args.seq_len if args.seq_len is not None else (32 if args.tiny else 1024)
     args.lr = args.lr if args.lr is not None else (2e-3 if args.tiny else 3e-4)
     if (args.batch_size is not None and args.batch_size < 1) or args.seq_len < 2:
@@ -305,6 +337,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{name} {row['variant']}] {row['status']} {brief}", flush=True)
         del batches
     add_ratios(rows)
+    for row in rows:
+        if "profile" in row:
+            print_profile(row)
     print()
     print(table(rows) if rows else "no model ran")
     verdicts = bars(rows)

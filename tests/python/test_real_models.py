@@ -141,18 +141,31 @@ def adamw_float64(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return p * (1 - lr * wd) - lr * m_hat / (v_hat.sqrt() + eps)
 
 
+def tied(model: torch.nn.Module) -> list[list[str]]:
+    """Groups of names that reach one Parameter (GPT-2's LM head and token embedding)."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    return sorted(sorted(names) for names in by_id.values() if len(names) > 1)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_o2_step_matches_fp32_master_reference(family, dtype):
+    """One O2 step: the gradient as close to float64's as autocast's, each fp32 master where
+    float64 AdamW puts the fp32 weight with that gradient, the model copy its rounding, ties kept."""
     spec = spec_of(family)
     batch = batches(spec, 1)[0]
     model = fresh(spec)
+    ties = tied(model)
+    assert bool(ties) == (family == "gpt2"), ties
     originals = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads64 = float64_grads(spec, model, batch)
     autocast_err = rel(float64_grads(spec, model, batch, autocast=dtype), grads64)
 
     # A dynamic scale of 2**10 (not 2**16, which overflows these fp16 gradients on the first step).
     model, optimizer = amp_model(spec, "O2", dtype, max_loss_scale=2.0**10)
+    assert tied(model) == ties  # the cast kept the Parameter objects: one master for a tied pair
     scale = amp.loss_scale() if dtype == torch.float16 else 1.0
     params = dict(model.named_parameters())
     loss = zoo.loss_of(spec, model, *batch)
@@ -316,7 +329,7 @@ def run_benchmark(tmp_path, *args: str) -> dict:
 
 def test_benchmark_runs_a_model_beside_its_peer(tmp_path):
     spec_of("gpt2")
-    data = run_benchmark(tmp_path, "--models", "gpt2", "--levels", "O2-bf16")
+    data = run_benchmark(tmp_path, "--models", "gpt2", "--levels", "O2-bf16", "--profile", "--profile-steps", "1")
     assert data["code"] == 0
     rows = {r["variant"]: r for r in data["results"]}
     assert list(rows) == ["torch-bf16", "mixprec-O2-bf16"]
@@ -325,6 +338,7 @@ def test_benchmark_runs_a_model_beside_its_peer(tmp_path):
     assert row["per_s"] > 0 and math.isfinite(row["loss"]) and math.isfinite(row["speed_vs_peer"])
     # The same weights and batches: after one update the losses differ by bf16's rounding only.
     assert abs(row["loss_vs_peer_pct"]) < 1.0
+    assert set(row["profile"]["phases"]) == {"forward", "backward", "loss_scale", "optimizer"}
     assert "| mixprec-O2-bf16 |" in (tmp_path / "rows.md").read_text()
 
 
@@ -343,7 +357,7 @@ def test_benchmark_names_a_missing_library_and_runs_the_rest(tmp_path, monkeypat
     (["--models", "gpt3"], "--models: unknown model(s) ['gpt3']"),
     (["--levels", "O4"], "--levels: unknown level 'O4'"),
     (["--levels", "O2-fp8"], "--levels: unknown level 'O2-fp8'"),
-    (["--steps", "0"], "--steps must be >= 1"),
+    (["--steps", "0"], "--steps and --profile-steps must be >= 1"),
 ])
 def test_benchmark_refuses_bad_arguments(argv, message, capsys):
     import real_models
