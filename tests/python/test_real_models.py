@@ -292,6 +292,24 @@ def test_cast_goes_through_the_modules_apply(level):
     assert torch.isfinite(model(torch.randn(4, 8))).all()
 
 
+def test_cast_keeps_the_parameter_objects_under_torchs_overwrite_flag():
+    """module.to(dtype) under torch.__future__'s overwrite flag makes new Parameters; O2's cast goes
+    through the same _apply and must not: the optimizer holds the old ones."""
+    torch.manual_seed(0)
+    model = FrequencyTable()
+    optimizer = FusedAdam(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        assert torch.__future__.get_overwrite_module_params_on_conversion()  # put back as it was
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert all(p.dtype == torch.bfloat16 for p in params)
+    assert optimizer.param_groups[0]["params"] == params
+
+
 def test_llama_rotary_frequencies_stay_fp32_under_o2():
     """transformers' rotary embedding computes cos/sin in fp32 from inv_freq and returns them in the
     input's dtype; O2 used to round inv_freq to bf16, turning the angles at position 1000 by up to a

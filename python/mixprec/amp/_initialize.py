@@ -190,10 +190,17 @@ def convert_network(network: torch.nn.Module, dtype: torch.dtype, keep_batchnorm
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() else t
 
-    for module in network.modules():
-        if (keep_batchnorm_fp32 and _is_bn(module)) or _computes_in_fp32(module):
-            continue
-        module._apply(cast, recurse=False)  # RNNs re-flatten their weights in their _apply
+    # With torch.__future__'s overwrite flag on, _apply would put new Parameter objects in the
+    # modules, and the optimizers would go on updating the old ones.
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(False)
+    try:
+        for module in network.modules():
+            if (keep_batchnorm_fp32 and _is_bn(module)) or _computes_in_fp32(module):
+                continue
+            module._apply(cast, recurse=False)  # RNNs re-flatten their weights in their _apply
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
 
 
 def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
