@@ -66,6 +66,7 @@ log "installing the build and test tools (scripts/requirements.txt)"
 # The real-model tests' libraries (mixprec[bench]: tests/python/test_real_models.py), with torch pinned
 # to the one installed: timm needs torchvision, whose newest release would otherwise replace torch.
 # Optional: where they cannot be installed (no network), those tests skip and say why.
+log "installing the real-model test libraries (transformers, timm)"
 "$VPY" -m pip install -q "transformers>=4.45" "timm>=1.0" "torch==$("$VPY" -c 'import torch; print(torch.__version__)')" \
   || log "warning: transformers/timm not installed; tests/python/test_real_models.py will skip"
 
