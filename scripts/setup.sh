@@ -63,6 +63,14 @@ if ! "$VPY" -c "$TORCH_RANGE_CHECK" 2>/dev/null; then
 fi
 log "installing the build and test tools (scripts/requirements.txt)"
 "$VPY" -m pip install -q -r scripts/requirements.txt
+# The libraries of the real-model and integration tests (mixprec[bench] and mixprec[integrations]:
+# tests/python/test_real_models.py, test_integrations_*.py), with torch pinned to the one installed:
+# timm needs torchvision, whose newest release would otherwise replace torch. Optional: where they
+# cannot be installed (no network), those tests skip and say why.
+log "installing the real-model and integration test libraries (transformers, timm, lightning, accelerate)"
+"$VPY" -m pip install -q "transformers>=4.45" "timm>=1.0" "lightning>=2.0" "accelerate>=0.26" \
+  "torch==$("$VPY" -c 'import torch; print(torch.__version__)')" \
+  || log "warning: transformers/timm/lightning/accelerate not installed; their tests will skip"
 
 # --- 4. Build and install mixprec into the venv ----------------------------------------------
 log "building mixprec (torch $("$VPY" -c 'import torch; print(torch.__version__)')): a first build takes" \

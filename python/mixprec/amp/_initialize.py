@@ -170,22 +170,37 @@ def _is_bn(module: torch.nn.Module) -> bool:
     return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.affine is True
 
 
+def _computes_in_fp32(module: torch.nn.Module) -> bool:
+    """transformers' rotary position embeddings (LlamaRotaryEmbedding and its kin): parameterless,
+    their forward multiplies positions by ``inv_freq`` in fp32 and casts cos/sin to the input's
+    dtype itself. Rounded to bf16, inv_freq would turn the angles at position 1024 by up to a
+    radian (cos off by 1.16 at head_dim 128); torch.amp, and transformers' own loading in bf16,
+    keep it fp32."""
+    cls = type(module)
+    return (cls.__module__.startswith("transformers.") and cls.__name__.endswith("RotaryEmbedding")
+            and not module._parameters and isinstance(getattr(module, "inv_freq", None), torch.Tensor))
+
+
 def convert_network(network: torch.nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
     """Casts floating params, their grads and buffers to ``dtype`` in place (same Parameter
-    objects, so optimizers still hold them), leaving affine BatchNorms in fp32 when asked."""
-    for module in network.modules():
-        if keep_batchnorm_fp32 and _is_bn(module):
-            continue
-        for param in module.parameters(recurse=False):
-            if param.is_floating_point():
-                param.data = param.data.to(dtype)
-                if param.grad is not None and param.grad.is_floating_point():
-                    param.grad.data = param.grad.data.to(dtype)
-        for buf in module.buffers(recurse=False):
-            if buf is not None and buf.is_floating_point():
-                buf.data = buf.data.to(dtype)
-        if isinstance(module, torch.nn.RNNBase):
-            module.flatten_parameters()
+    objects, so optimizers still hold them), leaving affine BatchNorms in fp32 when asked and
+    transformers' rotary embeddings in fp32 (above). Each module is cast through its own
+    ``_apply``, as ``module.to(dtype)`` casts it: modules that keep some tensors in fp32 on a cast
+    (timm's rotary embeddings rebuild their frequency bands in fp32) have their say."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    # With torch.__future__'s overwrite flag on, _apply would put new Parameter objects in the
+    # modules, and the optimizers would go on updating the old ones.
+    overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(False)
+    try:
+        for module in network.modules():
+            if (keep_batchnorm_fp32 and _is_bn(module)) or _computes_in_fp32(module):
+                continue
+            module._apply(cast, recurse=False)  # RNNs re-flatten their weights in their _apply
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(overwrite)
 
 
 def _fp32_state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
