@@ -6,6 +6,7 @@ import math
 import os
 import random
 import re
+import sys
 from typing import Callable, Iterable, Sequence
 
 import pytest
@@ -26,6 +27,19 @@ try:
     settings.load_profile(os.environ.get("MIXPREC_HYPOTHESIS_PROFILE", "mixprec"))
 except ImportError:  # hypothesis is a test dependency; tests that need it import it themselves
     pass
+
+# PyPI's torchvision is built for a CUDA torch and cannot load beside CI's CPU-only torch, which
+# breaks `import timm` and `import lightning` (through torchmetrics): import it once, the way
+# benchmarks/real_models_zoo.py does, before any test module imports those.
+BENCHMARKS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+if BENCHMARKS not in sys.path:
+    sys.path.insert(0, BENCHMARKS)
+import real_models_zoo  # noqa: E402
+
+real_models_zoo.import_torchvision()
+# The same, for a subprocess that runs examples (tests/python/test_docs_examples.py).
+TORCHVISION_FIX = (f"import sys; sys.path.insert(0, {BENCHMARKS!r}); import real_models_zoo; "
+                   "real_models_zoo.import_torchvision()")
 
 # ---- constants mirrored from the kernel tier (csrc/kernels/multi_tensor*.h) -----------------
 

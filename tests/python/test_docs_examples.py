@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import TORCHVISION_FIX
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # An opening fence with its info string, the body, the closing fence (the same number of backticks).
+MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([\w.]+)'")
 FENCE = re.compile(r"^(?P<ticks>`{3,})(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=ticks)[ \t]*$", re.M | re.S)
 
 
@@ -55,10 +58,15 @@ def test_document_examples_run_as_written(path, tmp_path):
     if not code:
         pytest.skip(f"{path.name} has no runnable Python block")
     script = tmp_path / f"{path.stem}_examples.py"
-    script.write_text(code)
+    script.write_text(f"{TORCHVISION_FIX}  # this harness's, not the example's: see conftest.py\n{code}")
     # The package under test, as the suite imports it (source tree or installed), and one thread:
     # the examples are tiny and CI's machine is shared.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)
+    missing = MISSING_MODULE.search(result.stderr)
+    if result.returncode != 0 and missing and missing.group(1).split(".")[0] != "mixprec":
+        # An optional framework (docs/integrations.md: lightning, accelerate, transformers) that this
+        # environment lacks; scripts/setup.sh installs them, so CI runs these examples.
+        pytest.skip(f"{path.name}'s examples need {missing.group(1)}, not installed here")
     assert result.returncode == 0, f"{path.name}'s examples failed:\n{result.stdout}\n{result.stderr}"
