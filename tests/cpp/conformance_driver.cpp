@@ -287,20 +287,28 @@ IValue run(const Dict& sc) {
     if (!bad.isNone() && step == at_key(bad.toGenericDict(), "step").toInt()) {
       const Dict b = bad.toGenericDict();
       auto& group = opt->param_groups()[at_key(b, "group").toInt()];
+      const bool option = at_key(b, "kind").toStringRef() == "option";
       std::unique_ptr<OptimizerOptions> kept = group.options().clone();
       const std::vector<at::Tensor> before = snapshot(*opt, params);
+      at::Tensor& grad = params[at_key(b, "group").toInt()][option ? 0 : at_key(b, "param").toInt()].mutable_grad();
+      const at::Tensor kept_grad = grad;
       const auto scaler_fields = [&] {
         return scaler ? std::make_tuple(scaler->get_scale(), scaler->growth_tracker(), scaler->skipped_steps())
                       : std::make_tuple(0.0, int64_t{0}, int64_t{0});
       };
       const auto scaler_before = scaler_fields();
-      fam.set(group.options(), at_key(b, "key").toStringRef(), at_key(b, "value"));
+      if (option) {
+        fam.set(group.options(), at_key(b, "key").toStringRef(), at_key(b, "value"));
+      } else {
+        grad = grad.t().contiguous().t();  // the same values, transposed layout
+      }
       try {
         do_step(*opt, scaler);
       } catch (...) {
         result.insert_or_assign("error", error_class(std::current_exception()));
       }
       group.set_options(std::move(kept));
+      grad = kept_grad;
       result.insert_or_assign("unchanged",
                               bitwise_same(before, snapshot(*opt, params)) && scaler_fields() == scaler_before);
     }
