@@ -8,7 +8,9 @@ import io
 import pytest
 import torch
 
+from amp_support import make_model
 from conftest import assert_bitwise_equal, assert_unchanged, random_tensor
+from mixprec import amp
 from mixprec.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 
 # Hyper-parameters away from the defaults where it matters (momentum, decay), so every option is used.
@@ -230,3 +232,36 @@ def test_bad_group_value_is_refused_and_changes_nothing(name, key, value, how, g
     assert len(opt.param_groups) == 2 and opt.defaults == defaults
     assert group_options(opt) == options
     assert_unchanged(before, everything(opt, [a, b]), f"{name} after refusing {key}={value!r} ({how})")
+
+
+# ---- amp's O2 keeps masters for every group ------------------------------------------------------
+
+
+def test_amp_o2_gives_every_group_masters_and_refuses_a_group_without(gen):
+    """O2 turns master_weights on in every group, one that named False included (Apex's O2: every
+    fp16 param has an fp32 master), and refuses a group added without them, changing nothing."""
+    model = make_model(gen, "cpu")
+    first = list(model[0].parameters()) + list(model[1].parameters())
+    opt = FusedAdam([dict(params=first), dict(params=list(model[3].parameters()), master_weights=False)], lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert opt.master_weights is True and [g["master_weights"] for g in opt.param_groups] == [True, True]
+    low = [p for g in opt.param_groups for p in g["params"] if p.dtype == torch.float16]
+    assert {id(p) for p in low} >= {id(p) for p in model[3].parameters()}
+    masters = [opt.state[p]["master_param"].clone() for p in low]
+    opt.zero_grad()
+    loss = model(random_tensor((16, 8), torch.float32, "cpu", gen)).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    for p, old in zip(low, masters):
+        master = opt.state[p]["master_param"]
+        assert not torch.equal(master, old), "the master is what steps"
+        assert_bitwise_equal(p.detach(), master.half(), "the model copy is the rounded master")
+    before, options = [t.clone() for t in everything(opt, [list(g["params"]) for g in opt.param_groups])], \
+        group_options(opt)
+    extra = torch.nn.Parameter(random_tensor((3,), torch.float16, "cpu", gen))
+    with pytest.raises(ValueError, match="FusedAdam.add_param_group: param group 2: invalid master_weights "
+                                         "False; expected True under amp's O2"):
+        opt.add_param_group(dict(params=[extra], master_weights=False))
+    assert len(opt.param_groups) == 2 and group_options(opt) == options and extra not in opt.state
+    assert_unchanged(before, everything(opt, [list(g["params"]) for g in opt.param_groups]), "after refusing")
