@@ -185,6 +185,30 @@ def test_checkpoint_from_before_groups_had_it_takes_this_optimizers_value(name, 
     assert group_options(twin) == group_options(opt)
 
 
+@pytest.mark.parametrize("saved,named", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_adam_loads_moments_into_the_groups_state_dtype(saved, named, gen):
+    """Loaded moments take the loaded group's state_dtype (the C++ front's rule); a checkpoint
+    whose groups lack it (made when it was per optimizer) keeps the dtype its moments have."""
+    ps = make_params(gen, torch.float16)
+    opt = FusedAdam(ps, master_weights=True, state_dtype=saved, amsgrad=True)
+    feed([ps], random_grads([ps], gen, 1)[0])
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["param_groups"][0]["state_dtype"] = named
+    twins = clones(ps)
+    new = FusedAdam(twins, master_weights=True, amsgrad=True)
+    new.load_state_dict(sd)
+    assert new.param_groups[0]["state_dtype"] is named
+    for p, q in zip(ps, twins):
+        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            assert_bitwise_equal(new.state[q][k], opt.state[p][k].to(named), k)
+    del sd["param_groups"][0]["state_dtype"]
+    legacy = FusedAdam(clones(ps), master_weights=True, amsgrad=True, state_dtype=named)
+    legacy.load_state_dict(sd)
+    assert legacy.param_groups[0]["state_dtype"] is saved
+    assert {v.dtype for s in legacy.state.values() for k, v in s.items() if k != "master_param"} == {saved}
+
+
 # ---- refused values change nothing --------------------------------------------------------------
 
 

@@ -18,7 +18,8 @@ class FusedAdam(FusedOptimizer):
     moments in bfloat16 (a mixprec extension; halves their memory). Both are group options: the
     constructor's value is the default and a param group may name its own (``optimizer.state_dtype``
     reads and sets it for every group, see ``GroupOption``); a group's moments are made in its
-    ``state_dtype`` at their first step, and loaded moments keep the dtype they were saved in. ``amsgrad`` is supported
+    ``state_dtype`` and loaded into it (as the C++ front does); a checkpoint from before it was a
+    group option gives each group the dtype its moments were saved in. ``amsgrad`` is supported
     (Apex raised). ``capturable`` is accepted for Apex compatibility: every step already runs
     without host synchronization.
 
@@ -69,3 +70,28 @@ class FusedAdam(FusedOptimizer):
             master_params=self._masters(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
             grad_scale=grad_scale, found_inf=found_inf,
         )
+
+    def load_state_dict(self, state_dict):
+        # Checkpoints from before state_dtype was a group option: a group's is the dtype its saved
+        # moments have, so that loading converts nothing (a foreign dtype is left to be refused).
+        if (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+                and isinstance(state_dict.get("param_groups"), (list, tuple))):
+            groups = []
+            for g in state_dict["param_groups"]:
+                if isinstance(g, dict) and "state_dtype" not in g and isinstance(g.get("params"), (list, tuple)):
+                    saved = [state_dict["state"].get(pid) for pid in g["params"]]
+                    dtypes = [s["exp_avg"].dtype for s in saved
+                              if isinstance(s, dict) and isinstance(s.get("exp_avg"), torch.Tensor)]
+                    if dtypes and STATE_DTYPE.ok(dtypes[0]):
+                        g = dict(g, state_dtype=dtypes[0])
+                groups.append(g)
+            state_dict = dict(state_dict, param_groups=groups)
+        super().load_state_dict(state_dict)
+
+    def _validated_param_state(self, pid, p, saved_state, group):
+        out = super()._validated_param_state(pid, p, saved_state, group)
+        # The group's state_dtype says what its moments are (the op wants one dtype per param).
+        for key in self._state_rules:
+            if key in out and out[key].dtype != group["state_dtype"]:
+                out[key] = out[key].to(group["state_dtype"])
+        return out
