@@ -195,7 +195,7 @@ def _snapshot(opt, params) -> list[torch.Tensor]:
 
 def _bitwise_same(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(
-        x.view(torch.uint8) if x.numel() else x, y.view(torch.uint8) if y.numel() else y) for x, y in zip(a, b))
+        x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(a, b))
 
 
 def run_python(sc: dict) -> dict:

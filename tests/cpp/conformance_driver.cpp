@@ -196,10 +196,10 @@ std::vector<at::Tensor> snapshot(FusedOptimizer& opt, const Groups& params) {
   for (const auto& ps : params)
     for (const auto& p : ps)
       for (const auto& kv : state_of(opt, p)) out.push_back(kv.second.clone());
+  const std::vector<at::Tensor> moments = group_tensors(opt);
   for (size_t i = 0; i < opt.param_groups().size(); ++i) {
     // Python sorts a group's tensors by key: "exp_avg_sq" (NovoGrad) before "step".
-    const at::Tensor moments = group_tensors(opt)[i];
-    if (moments.defined()) out.push_back(moments.clone());
+    if (moments[i].defined()) out.push_back(moments[i].clone());
     const at::Tensor step = opt.step_count_tensor(i);
     if (step.defined()) out.push_back(step.clone());
   }
