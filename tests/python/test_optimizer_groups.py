@@ -209,6 +209,26 @@ def test_adam_loads_moments_into_the_groups_state_dtype(saved, named, gen):
     assert {v.dtype for s in legacy.state.values() for k, v in s.items() if k != "master_param"} == {saved}
 
 
+def test_pickle_from_when_it_was_an_attribute_restores_it_in_every_group(gen):
+    """An optimizer pickled when master_weights and state_dtype were attributes (its groups and
+    defaults lack them) comes back with them in the defaults and every group, and steps."""
+    ps = make_params(gen, torch.float16)
+    opt = FusedAdam(ps, master_weights=True, state_dtype=torch.bfloat16)
+    state = opt.__getstate__()
+    for d in [state["defaults"]] + state["param_groups"]:
+        del d["master_weights"], d["state_dtype"]
+    state.update(master_weights=True, state_dtype=torch.bfloat16)
+    old = FusedAdam.__new__(FusedAdam)
+    old.__setstate__(state)
+    assert old.master_weights is True and old.state_dtype is torch.bfloat16
+    assert all(g["master_weights"] is True and g["state_dtype"] is torch.bfloat16 for g in old.param_groups)
+    assert "master_weights" not in vars(old) and "state_dtype" not in vars(old)
+    feed([ps], random_grads([ps], gen, 1)[0])
+    old.step()
+    assert all(old.state[p]["master_param"].dtype == torch.float32 for p in ps)
+    assert all(old.state[p]["exp_avg"].dtype == torch.bfloat16 for p in ps)
+
+
 # ---- refused values change nothing --------------------------------------------------------------
 
 
