@@ -14,8 +14,10 @@ ruff check .
 prefix=$(python -c 'import mixprec, torch; print(mixprec.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')
 CPP_TEST_BUILD=${MIXPREC_CPP_TEST_BUILD_DIR:-build/tests-cpp}
 cmake -S tests/cpp -B "$CPP_TEST_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
-cmake --build "$CPP_TEST_BUILD"
+cmake --build "$CPP_TEST_BUILD"  # also builds mixprec_conformance, the C++ half of test_conformance.py
 ctest --test-dir "$CPP_TEST_BUILD" --output-on-failure
+MIXPREC_CONFORMANCE_DRIVER="$(cd "$CPP_TEST_BUILD" && pwd)/mixprec_conformance"
+export MIXPREC_CONFORMANCE_DRIVER
 
 # The C++ example and benchmark, each its own CMake project built against the installed package as
 # a LibTorch user's would be. The example trains briefly (on the CPU here) and fails if the loss

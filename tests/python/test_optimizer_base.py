@@ -34,7 +34,7 @@ class Recorder(FusedOptimizer):
             return
         lr = scalars["lr_tensor"].item() if scalars["lr_tensor"] is not None else scalars["lr"]
         inv = 1.0 / scalars["grad_scale"].item() if scalars["grad_scale"] is not None else 1.0
-        weights = self._masters(params) or params
+        weights = self._masters(params, group) or params
         for p, w in zip(params, weights):
             w.sub_(lr * inv * p.grad.float())
             if w is not p:

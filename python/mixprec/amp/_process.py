@@ -124,6 +124,12 @@ def _patched_add_param_group(self, param_group: dict):
                         "of tensors in sets will change between runs. Please use a list instead.")
     else:
         param_group["params"] = list(params)
+    if stash.kind == FUSED_MASTERS and not param_group.get("master_weights", True):
+        # O2 keeps fp32 masters for every group (amp set master_weights on all of them); a group
+        # stepping its fp16 params directly would leave amp.master_params and checkpoints stale.
+        raise ValueError(f"{type(self).__name__}.add_param_group: param group {len(self.param_groups)}: "
+                         f"invalid master_weights {param_group['master_weights']!r}; expected True under "
+                         "amp's O2, which keeps fp32 masters for every param group")
     if stash.kind == SWAP:
         for i, p in enumerate(param_group["params"]):
             if p.requires_grad and p.dtype in LOW_DTYPES:

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .._dtensor import dtensor_type
-from ._rules import LR, MOMENT, check_group, check_state_values, step_count
+from ._rules import FLAG, LR, MOMENT, check_group, check_state_values, step_count
 
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
 
@@ -23,14 +23,42 @@ def _device_scalar(t: Optional[torch.Tensor], device: torch.device) -> Optional[
     return t.reshape(1) if t.dim() != 1 else t
 
 
+class GroupOption:
+    """An optimizer attribute that is really a per-group option (``master_weights``, FusedAdam's
+    ``state_dtype``), so code written when it was per optimizer keeps working. Reading gives the
+    groups' value when they all agree, else the constructor's (``defaults``, what groups added
+    later get); each group's own is ``param_groups[i][name]``. Writing validates the value, then
+    sets it in the defaults and in every group (the C++ front's ``set_master_weights``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.key = name
+
+    def __get__(self, opt: Any, owner: Optional[type] = None) -> Any:
+        if opt is None:
+            return self
+        values = [g[self.key] for g in opt.param_groups]
+        if values and all(v == values[0] for v in values):
+            return values[0]
+        return opt.defaults[self.key]
+
+    def __set__(self, opt: Any, value: Any) -> None:
+        opt._check_group({self.key: value}, f"setting {self.key}")  # refused: nothing changes
+        opt.defaults[self.key] = value
+        for group in opt.param_groups:
+            group[self.key] = value
+
+
 class FusedOptimizer(torch.optim.Optimizer):
     """torch.optim.Optimizer whose step is one mixprec op per param group.
 
     What subclasses share:
     - ``group["step"]`` is a one-element float32 tensor on the group's device, incremented by the
       op itself unless the step is skipped, so nothing waits on the host;
-    - with ``master_weights=True`` every fp16/bf16 parameter has an fp32 master in
-      ``state[p]["master_param"]``; the op updates it and writes the rounded copy to the model;
+    - ``master_weights`` is a group option (the constructor's value is the default, a group may
+      name its own, as the C++ front's options do): in a group with ``master_weights=True`` every
+      fp16/bf16 parameter has an fp32 master in ``state[p]["master_param"]``; the op updates it
+      and writes the rounded copy to the model. ``optimizer.master_weights`` reads and sets it
+      for all groups (see GroupOption);
     - ``_step_supports_amp_scaling``: torch.amp.GradScaler and mixprec.GradScaler hand the loss
       scale and found_inf to ``step()`` (as ``self.grad_scale``/``self.found_inf``); the kernel
       unscales and skips on the device, and leaves each ``p.grad`` unscaled (untouched by a
@@ -52,6 +80,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
     _hyper_rules: dict = {"lr": LR}
+    # Group options every family has, checked with the family's _hyper_rules (see __init_subclass__).
+    _base_rules: dict = {"master_weights": FLAG}
+    master_weights = GroupOption()
     _group_rules: tuple = ()
     _state_rules: dict = {}
     _required_state: tuple[str, ...] = ()
@@ -63,12 +94,20 @@ class FusedOptimizer(torch.optim.Optimizer):
     # Group options that checkpoints of the classes a subclass can load (torch.optim's, Apex's)
     # do not have; the subclass fills them in after loading. Any other missing option is an error.
     _keys_foreign_checkpoints_lack: tuple[str, ...] = ()
+    # Group options that were optimizer attributes before they became per group: checkpoints and
+    # pickles made then lack them in their groups, which take this optimizer's value instead.
+    _group_attributes: tuple[str, ...] = ("master_weights",)
+    _rules: dict = {**_hyper_rules, **_base_rules}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._rules = {**cls._hyper_rules, **cls._base_rules}  # merged once, not on every step
 
     def __init__(self, params: Iterable[Any], defaults: dict, *, master_weights: bool = False,
                  set_grad_none: bool = True, capturable: bool = False):
+        defaults = dict(defaults, master_weights=master_weights)
         self._check_group(defaults, "defaults")
         super().__init__(params, defaults)
-        self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
         # Kept for Apex compatibility: mixprec's steps never sync with the host, so every step is
         # graph-capturable once lr and step live on the device.
@@ -94,7 +133,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group: dict, where: str) -> None:
         """Raises ValueError for the first option of `group` that breaks the class's rules."""
-        check_group(type(self).__name__, self._hyper_rules, self._group_rules, group, where)
+        check_group(type(self).__name__, self._rules, self._group_rules, group, where)
 
     # -- copies: torch.optim.Optimizer pickles only defaults, state and param_groups ------------
     def __getstate__(self) -> dict:
@@ -108,7 +147,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        # Pickles from before an option became per group hold it as an attribute.
+        state = dict(state)
+        legacy = {k: state.pop(k) for k in self._group_attributes if k in state}
         super().__setstate__(state)
+        for key, value in legacy.items():
+            self.defaults.setdefault(key, value)
+            for group in self.param_groups:
+                group.setdefault(key, value)
         self._reset_caches()
 
     def _reset_caches(self) -> None:
@@ -164,7 +210,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     # -- helpers for subclasses --------------------------------------------------------------
     def _init_param_state(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
-        if self.master_weights and p.dtype != torch.float32:
+        if group["master_weights"] and p.dtype != torch.float32:
             # In the parameter's layout (channels_last stays channels_last): the op walks an
             # entry's tensors in one storage order.
             state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
@@ -176,9 +222,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _step_group(self, group: dict, params: list[torch.Tensor], **scalars) -> None:
         raise NotImplementedError
 
-    def _masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One fp32 master per param (fp32 params are their own master), or [] without masters."""
-        if not self.master_weights:
+    def _masters(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+        """One fp32 master per param (fp32 params are their own master), or [] when `group` keeps none."""
+        if not group["master_weights"]:
             return []
         return [self.state[p].get("master_param", p) for p in params]
 
@@ -211,44 +257,46 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
             raise ValueError(f"{name}.load_state_dict: the checkpoint has {len(saved_groups)} param groups, "
                              f"this optimizer has {len(self.param_groups)}")
-        id_to_param: dict[Any, torch.Tensor] = {}
+        id_to_param: dict[Any, tuple[torch.Tensor, dict]] = {}
+        new_groups = []
         for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             ok = isinstance(saved, dict) and isinstance(saved.get("params"), (list, tuple))
             if not ok or len(saved["params"]) != len(group["params"]):
                 got = len(saved["params"]) if ok else "no"
                 raise ValueError(f"{name}.load_state_dict: param group {gi} has {got} params in the checkpoint "
                                  f"but {len(group['params'])} here")
-            missing = sorted(set(self.defaults) - set(saved) - set(self._keys_foreign_checkpoints_lack))
+            lack_ok = set(self._keys_foreign_checkpoints_lack) | set(self._group_attributes)
+            missing = sorted(set(self.defaults) - set(saved) - lack_ok)
             if missing:
                 raise ValueError(f"{name}.load_state_dict: param group {gi} lacks {missing}; "
                                  f"not a {name} checkpoint?")
             self._check_group(dict(self.defaults, **saved), f"{name}.load_state_dict: param group {gi}")
-            id_to_param.update(zip(saved["params"], group["params"]))
-
-        new_state: dict[torch.Tensor, dict] = defaultdict(dict)
-        for pid, saved_state in state_dict["state"].items():
-            if pid not in id_to_param:
-                raise ValueError(f"{name}.load_state_dict: state for unknown parameter id {pid!r}")
-            p = id_to_param[pid]
-            new_state[p] = self._validated_param_state(pid, p, saved_state)
-
-        new_groups = []
-        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             new_group = {k: v for k, v in saved.items() if k != "params"}
             new_group["params"] = group["params"]
+            for key in self._group_attributes:  # checkpoints from when it was per optimizer: keep ours
+                new_group.setdefault(key, group[key])
             step = new_group.get("step")
             if step is not None:
                 step = step_count(step, f"{name}.load_state_dict: param group {gi} 'step'")
                 device = group["params"][0].device if group["params"] else torch.device("cpu")
                 new_group["step"] = step.to(device, copy=True)  # never shared with the source
             new_groups.append(new_group)
+            id_to_param.update((pid, (p, new_group)) for pid, p in zip(saved["params"], group["params"]))
+
+        new_state: dict[torch.Tensor, dict] = defaultdict(dict)
+        for pid, saved_state in state_dict["state"].items():
+            if pid not in id_to_param:
+                raise ValueError(f"{name}.load_state_dict: state for unknown parameter id {pid!r}")
+            p, new_group = id_to_param[pid]
+            new_state[p] = self._validated_param_state(pid, p, saved_state, new_group)
 
         self.state = new_state
         self.param_groups = new_groups
 
-    def _validated_param_state(self, pid: Any, p: torch.Tensor, saved_state: dict) -> dict:
-        """One parameter's saved state, checked against the class's rules and copied into the
-        parameter's device and memory layout; raises before anything is kept."""
+    def _validated_param_state(self, pid: Any, p: torch.Tensor, saved_state: dict, group: dict) -> dict:
+        """One parameter's saved state, checked against the class's rules and the options of its
+        loaded `group`, and copied into the parameter's device and memory layout; raises before
+        anything is kept."""
         name = type(self).__name__
         if not isinstance(saved_state, dict):
             raise ValueError(f"{name}.load_state_dict: state of parameter {pid} is not a dict")
@@ -273,7 +321,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if len({v.dtype for v in tensors.values()}) > 1:
                 got = {k: str(v.dtype) for k, v in tensors.items()}
                 raise ValueError(f"{where} mixes state dtypes {got}; expected one dtype per parameter")
-        if self.master_weights and p.dtype != torch.float32 and "master_param" not in out and tensors:
+        if group["master_weights"] and p.dtype != torch.float32 and "master_param" not in out and tensors:
             raise ValueError(f"{where} has no 'master_param' but master_weights=True and the parameter is {p.dtype}")
         return out
 

@@ -51,6 +51,9 @@ def pair(betas: Any) -> Any:
     return tuple(betas) if isinstance(betas, (list, tuple)) else betas
 
 
+# FusedAdam's moments: float32, or bfloat16 to halve their memory. Identity, not ==: a dtype only.
+STATE_DTYPE = Rule(lambda x: x is torch.float32 or x is torch.bfloat16, "torch.float32 or torch.bfloat16")
+
 # int 0/1 too: Apex's own examples pass bias_correction=1.
 FLAG = Rule(lambda x: isinstance(x, (bool, int)) and x in (0, 1), "True or False")
 NOVOGRAD_NORM = Rule(lambda x: _real(x) and (x in (0, 2) or x == math.inf),

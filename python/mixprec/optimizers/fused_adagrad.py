@@ -46,7 +46,7 @@ class FusedAdagrad(FusedOptimizer):
         _ops.adagrad_(
             params, [p.grad for p in params], self._states(params, "sum"), lr=lr, eps=group["eps"],
             weight_decay=group["weight_decay"], lr_decay=group["lr_decay"], adagrad_w_mode=group["adagrad_w_mode"],
-            maximize=group["maximize"], master_params=self._masters(params), step_tensor=step_tensor,
+            maximize=group["maximize"], master_params=self._masters(params, group), step_tensor=step_tensor,
             lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
         )
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from .. import _ops
-from ._base import FusedOptimizer
-from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, pair
+from ._base import FusedOptimizer, GroupOption
+from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, STATE_DTYPE, pair
 
 
 class FusedAdam(FusedOptimizer):
@@ -15,7 +15,11 @@ class FusedAdam(FusedOptimizer):
     ``adam_w_mode=True`` (the default, as in Apex) decays weights decoupled (AdamW); False adds
     the L2 term to the gradient (Adam). ``master_weights=True`` keeps fp32 masters of fp16/bf16
     params, updated together with the model copy. ``state_dtype=torch.bfloat16`` stores the
-    moments in bfloat16 (a mixprec extension; halves their memory). ``amsgrad`` is supported
+    moments in bfloat16 (a mixprec extension; halves their memory). Both are group options: the
+    constructor's value is the default and a param group may name its own (``optimizer.state_dtype``
+    reads and sets it for every group, see ``GroupOption``); a group's moments are made in its
+    ``state_dtype`` and loaded into it (as the C++ front does); a checkpoint from before it was a
+    group option gives each group the dtype its moments were saved in. ``amsgrad`` is supported
     (Apex raised). ``capturable`` is accepted for Apex compatibility: every step already runs
     without host synchronization.
 
@@ -28,26 +32,26 @@ class FusedAdam(FusedOptimizer):
     """
 
     _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
-                    "amsgrad": FLAG, "adam_w_mode": FLAG, "bias_correction": FLAG, "maximize": FLAG}
+                    "amsgrad": FLAG, "adam_w_mode": FLAG, "bias_correction": FLAG, "maximize": FLAG,
+                    "state_dtype": STATE_DTYPE}
     _state_rules = {"exp_avg": MOMENT, "exp_avg_sq": SQUARES, "max_exp_avg_sq": SQUARES}
     _required_state = ("exp_avg", "exp_avg_sq")
     _state_dtypes = (torch.float32, torch.bfloat16)
     _convert_foreign_state = False  # the moments' dtype is a choice (state_dtype): never changed silently
+    _group_attributes = ("master_weights", "state_dtype")
+    state_dtype = GroupOption()
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False,
                  *, maximize=False, state_dtype=torch.float32):
-        if state_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"FusedAdam: state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=pair(betas), eps=eps,
-                        weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode, maximize=maximize)
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=pair(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, adam_w_mode=adam_w_mode, maximize=maximize, state_dtype=state_dtype)
         super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none,
                          capturable=capturable)
-        self.state_dtype = state_dtype
 
     def _init_state(self, p, group, state):
         # In the parameter's layout (preserve_format): the op walks an entry's tensors in one order.
-        zeros = lambda: torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.preserve_format)
+        zeros = lambda: torch.zeros_like(p, dtype=group["state_dtype"], memory_format=torch.preserve_format)
         state["exp_avg"] = zeros()
         state["exp_avg_sq"] = zeros()
         if group["amsgrad"]:
@@ -63,6 +67,31 @@ class FusedAdam(FusedOptimizer):
             lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], maximize=group["maximize"],
             max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if group["amsgrad"] else (),
-            master_params=self._masters(params), step_tensor=step_tensor, lr_tensor=lr_tensor,
+            master_params=self._masters(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
             grad_scale=grad_scale, found_inf=found_inf,
         )
+
+    def load_state_dict(self, state_dict):
+        # Checkpoints from before state_dtype was a group option: a group's is the dtype its saved
+        # moments have, so that loading converts nothing (a foreign dtype is left to be refused).
+        if (isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict)
+                and isinstance(state_dict.get("param_groups"), (list, tuple))):
+            groups = []
+            for g in state_dict["param_groups"]:
+                if isinstance(g, dict) and "state_dtype" not in g and isinstance(g.get("params"), (list, tuple)):
+                    saved = [state_dict["state"].get(pid) for pid in g["params"]]
+                    dtypes = [s["exp_avg"].dtype for s in saved
+                              if isinstance(s, dict) and isinstance(s.get("exp_avg"), torch.Tensor)]
+                    if dtypes and STATE_DTYPE.ok(dtypes[0]):
+                        g = dict(g, state_dtype=dtypes[0])
+                groups.append(g)
+            state_dict = dict(state_dict, param_groups=groups)
+        super().load_state_dict(state_dict)
+
+    def _validated_param_state(self, pid, p, saved_state, group):
+        out = super()._validated_param_state(pid, p, saved_state, group)
+        # The group's state_dtype says what its moments are (the op wants one dtype per param).
+        for key in self._state_rules:
+            if key in out and out[key].dtype != group["state_dtype"]:
+                out[key] = out[key].to(group["state_dtype"])
+        return out

@@ -113,6 +113,6 @@ class FusedLAMB(FusedOptimizer):
             lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
             adam_w_mode=group["adam_w_mode"], max_grad_norm=group["max_grad_norm"], use_nvlamb=group["use_nvlamb"],
-            master_params=self._masters(params), step_tensor=step_tensor, lr_tensor=lr_tensor,
+            master_params=self._masters(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
             grad_scale=grad_scale, found_inf=found_inf, global_grad_norm=global_grad_norm,
         )

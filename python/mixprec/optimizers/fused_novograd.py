@@ -113,7 +113,7 @@ class FusedNovoGrad(FusedOptimizer):
             lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
             reg_inside_moment=group["reg_inside_moment"], norm_type=_op_norm_type(group["norm_type"]),
-            init_zero=group["init_zero"], master_params=self._masters(params), step_tensor=step_tensor,
+            init_zero=group["init_zero"], master_params=self._masters(params, group), step_tensor=step_tensor,
             lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
         )
         if idx is not None:

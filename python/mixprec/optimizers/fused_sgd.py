@@ -66,7 +66,7 @@ class FusedSGD(FusedOptimizer):
                 ps, [p.grad for p in ps], self._states(ps, "momentum_buffer") if momentum != 0 else (),
                 lr=lr, momentum=momentum, dampening=dampening, weight_decay=group["weight_decay"],
                 nesterov=group["nesterov"], wd_after_momentum=group["wd_after_momentum"],
-                maximize=group["maximize"], master_params=self._masters(ps), lr_tensor=lr_tensor,
+                maximize=group["maximize"], master_params=self._masters(ps, group), lr_tensor=lr_tensor,
                 grad_scale=grad_scale, found_inf=found_inf, **step_args,
             )
 
@@ -103,10 +103,10 @@ class FusedSGD(FusedOptimizer):
                 device = group["params"][0].device
                 group["step"] = torch.ones(1, dtype=torch.float32, device=device)
 
-    def _validated_param_state(self, pid, p, saved_state):
+    def _validated_param_state(self, pid, p, saved_state, group):
         # torch.optim.SGD saves momentum_buffer=None without momentum: load it as "no buffer yet".
         if isinstance(saved_state, dict) and saved_state.get("momentum_buffer", 0) is None:
             saved_state = {k: v for k, v in saved_state.items() if k != "momentum_buffer"}
         # The op keeps buffers in float32 (torch's own checkpoints hold them in the param's dtype):
         # the base converts them (_state_dtypes).
-        return super()._validated_param_state(pid, p, saved_state)
+        return super()._validated_param_state(pid, p, saved_state, group)
