@@ -451,3 +451,79 @@ def test_a_grad_scaler_alone_on_an_amp_optimizer_is_refused(level, kind, call, g
         getattr(scaler, call)(opt)
     assert_same_world(before, amp_world([model], [opt]))
     assert torch.equal(scaler._scale, scale) and id(opt) not in scaler._per_optimizer_states
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_sparse_gradient_is_refused_and_never_stepped(level, gen):
+    # Before: O1 raised torch's NotImplementedError and O2 a memory-format error from the middle of
+    # the unscale, the gradients stayed scaled, and the next step() wrote NaN into the weights.
+    class SparseNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 8, sparse=True)
+            self.head = torch.nn.Linear(8, 1)
+
+        def forward(self, idx):
+            return self.head(self.embed(idx))
+
+    torch.manual_seed(0)
+    model = SparseNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    before = amp_world([model], [opt])
+    loss = model(torch.tensor([[1, 2, 3]])).float().sum()
+    with pytest.raises(RuntimeError, match="amp.scale_loss: a parameter has a sparse gradient"):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    opt.step()  # nothing to apply: the block's gradients were dropped
+    assert_same_world(before, amp_world([model], [opt]))
+
+
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_failed_second_block_keeps_the_first_blocks_gradients(kind, level, gen):
+    # Before: at O2 with a torch optimizer the failed block's clean-up set every master's grad to
+    # None, so block 1's gradient was lost and the step silently did nothing.
+    (m_a, o_a), (m_b, o_b) = twin_worlds(gen, kind)
+    m_a, o_a = amp.initialize(m_a, o_a, opt_level=level, verbosity=0, loss_scale=128.0)
+    m_b, o_b = amp.initialize(m_b, o_b, opt_level=level, verbosity=0, loss_scale=128.0)
+    xs = [random_tensor((16, 8), torch.float32, "cpu", gen) for _ in range(2)]
+    initial = [p.detach().clone() for p in m_a.parameters()]
+    for model, opt, fail in ((m_a, o_a, True), (m_b, o_b, False)):
+        for x in xs:
+            opt.zero_grad()
+            with amp.scale_loss(loss_of(model, x), opt) as s:
+                s.backward()
+            if fail:
+                with pytest.raises(KeyError):
+                    with amp.scale_loss(loss_of(model, x), opt) as s:
+                        s.backward()
+                        raise KeyError("user code")
+            opt.step()
+    for a, b in zip(m_a.parameters(), m_b.parameters()):
+        assert torch.equal(a, b)
+    assert all(not torch.equal(a, b) for a, b in zip(m_a.parameters(), initial))  # the steps did train
+
+
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_backward_after_the_block_ended_is_never_stepped(kind, level, gen):
+    # Apex's silent case (the tutorial's indentation slip): the block ends before the backward, so
+    # nothing unscales the gradients it makes. Before: O1 applied them scaled by 2**16.
+    (model, opt), _ = twin_worlds(gen, kind)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    train_step(model, opt, gen)
+    opt.zero_grad()
+    with amp.scale_loss(loss_of(model, random_tensor((16, 8), torch.float32, "cpu", gen)), opt) as scaled:
+        pass
+    scaled.backward()
+    next_loss = loss_of(model, random_tensor((16, 8), torch.float32, "cpu", gen))  # (its forward moves BatchNorm)
+    before = amp_world([model], [opt])
+    with pytest.raises(RuntimeError, match=r"step\(\): the scaled loss .* backpropagated after the block ended"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="amp.scale_loss: the scaled loss"):
+        with amp.scale_loss(next_loss, opt):
+            pass
+    assert_same_world(before, amp_world([model], [opt]))
+    opt.zero_grad()  # clears it: training goes on
+    train_step(model, opt, gen)

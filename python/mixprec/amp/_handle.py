@@ -119,7 +119,18 @@ class _ScaleLoss:
         self.stashes, self.scaler, self.scale, self.unit, self.active = stashes, scaler, scale, unit, True
         for stash in stashes:
             stash.unfinished = self
+        if scaled.requires_grad and not unit:
+            scaled.register_hook(self._backward_started)
         return scaled
+
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        """Runs as a backward of the scaled loss begins. After the block has ended (nothing is left
+        to unscale the gradients this backward makes), the optimizers refuse to step on them."""
+        if not self.active and self.stashes[0].unfinished is not self:
+            for stash in self.stashes:
+                stash.poisoned = ("the scaled loss of a `with amp.scale_loss(...)` block was backpropagated after the "
+                                  "block ended, so its gradients were never unscaled (call .backward() inside the "
+                                  "block)")
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if not self.active:
@@ -144,6 +155,15 @@ class _ScaleLoss:
         delay_unscale blocks before it left scaled, and updates the loss scale."""
         self.active = False
         stashes = self.stashes
+        if any(stash.has_sparse_gradient() for stash in stashes):
+            # Refused before anything is unscaled; the block's scaled gradients are dropped as after
+            # an exception in it, so no later step() can apply them.
+            for stash in stashes:
+                stash.abort_backward()
+            raise RuntimeError("amp.scale_loss: a parameter has a sparse gradient (nn.Embedding(sparse=True) or "
+                               "similar), which amp cannot unscale; use dense gradients (sparse=False), or "
+                               "mixprec.GradScaler with a torch optimizer, which unscales sparse ones (this "
+                               "block's gradients were dropped)")
         for stash in stashes:
             stash.unfinished = None
         scaler, scale, unit = self.scaler, self.scale, self.unit

@@ -86,9 +86,10 @@ class AmpStash:
         # The scale_loss block whose gradients are still scaled (open, or closed with
         # delay_unscale=True): step() and master_params() complete it before reading gradients.
         self.unfinished = None
-        # Set when an exception interrupted a block whose gradients could not be told apart from
-        # earlier scaled ones: step() and scale_loss refuse until zero_grad() clears them.
-        self.poisoned = False
+        # Why the gradients hold scaled values amp can no longer unscale (None: they do not): an
+        # exception after delay_unscale=True blocks, or a backward of a scaled loss after its block
+        # ended. step() and scale_loss refuse until zero_grad() clears them.
+        self.poisoned: Optional[str] = None
         self.guard = StepGuard()
         self._reset_step()
 
@@ -160,20 +161,30 @@ class AmpStash:
         and cannot be separated: the stash is poisoned until zero_grad()."""
         self.unfinished = None
         if self.params_have_scaled_gradients:
-            self.poisoned = True
+            self.poisoned = ("an exception interrupted `with amp.scale_loss(...)` after delay_unscale=True blocks, "
+                             "so the gradients hold scaled values of unknown extent")
             return
         stashed = self.stashed
+        # SWAP's masters keep their grads: they hold earlier blocks' unscaled sums, which this block
+        # (unscaled into them only when it completes) never touched.
+        masters = self.master_ids if self.kind == SWAP else ()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                p.grad = stashed.get(p)  # None where the block started without a gradient
+                if id(p) not in masters:
+                    p.grad = stashed.get(p)  # None where the block started without a gradient
         for p in self.low_params:  # SWAP: the model's own params (their values are in the master grads)
             p.grad = None
         stashed.clear()
 
+    def has_sparse_gradient(self) -> bool:
+        """Whether any param this stash unscales (the optimizer's, and under SWAP the model's) has
+        a sparse gradient, which amp's dense unscale and master copy cannot take."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]] + self.low_params
+        return any(p.grad is not None and p.grad.is_sparse for p in params)
+
     def poisoned_message(self, call: str) -> str:
-        return (f"{call}: an exception interrupted `with amp.scale_loss(...)` after delay_unscale=True blocks, so "
-                f"the gradients of {type(self.optimizer).__name__} hold scaled values of unknown extent; call "
-                "optimizer.zero_grad() and redo the accumulation (nothing was stepped)")
+        return (f"{call}: {self.poisoned}: the gradients of {type(self.optimizer).__name__} cannot be used; call "
+                "optimizer.zero_grad() and redo the backward passes (nothing was stepped)")
 
     def post_backward(self, scale: Optional[torch.Tensor], inv: Optional[torch.Tensor],
                       found: Optional[dict]) -> None:

@@ -98,7 +98,8 @@ def _patched_zero_grad(self, *args: Any, **kwargs: Any):
             m.grad = None
     if stash.stashed:
         stash.stashed.clear()
-    stash.poisoned = stash.params_have_scaled_gradients = False
+    stash.poisoned = None
+    stash.params_have_scaled_gradients = False
     stash.unfinished = None
     stash.pending = stash.materialized = False
     stash.grad_scale = stash.wb_scale = None
