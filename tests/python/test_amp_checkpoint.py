@@ -141,12 +141,17 @@ def test_amp_state_dict_keeps_apex_keys_and_round_trips(gen):
     amp.load_state_dict(loaded)
     assert amp.state_dict() == sd
     # Apex's own format (no mixprec keys) loads too.
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7},
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 7},
                          "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
-    assert amp.loss_scale(0) == 1024.0 and amp.state_dict()["loss_scaler0"]["unskipped"] == 7
+    assert amp.loss_scale(0) == 128.0 and amp.state_dict()["loss_scaler0"]["unskipped"] == 7
     with pytest.raises(RuntimeError, match="Unexpected key"):
         amp.load_state_dict({"loss_scaler0": sd["loss_scaler0"], "bogus": {}})
-    assert amp.loss_scale(0) == 1024.0
+    # Above this run's max_loss_scale (2**8): refused, where Apex took it and skipped steps until
+    # the scale came back down.
+    with pytest.raises(ValueError, match=r"\['loss_scale'\] must be <= max_scale \(256.0\)"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7},
+                             "loss_scaler1": {"loss_scale": 8.0, "unskipped": 0}})
+    assert amp.loss_scale(0) == 128.0
 
 
 CORRUPTIONS = {

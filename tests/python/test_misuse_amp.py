@@ -527,3 +527,21 @@ def test_a_backward_after_the_block_ended_is_never_stepped(kind, level, gen):
     assert_same_world(before, amp_world([model], [opt]))
     opt.zero_grad()  # clears it: training goes on
     train_step(model, opt, gen)
+
+
+@pytest.mark.parametrize("scale, bound", [(2.0**30, "max_scale"), (0.5, "min_scale")])
+def test_a_loaded_scale_outside_the_scalers_bounds_is_refused(scale, bound, gen):
+    # Before: 2**30 above max_loss_scale (2**24) was taken, and fp16 steps were skipped until the
+    # scale came back down; mixprec.GradScaler.load_state_dict refuses the same.
+    model = make_model(gen, "cpu")
+    model, opt = amp.initialize(model, FusedAdam(model.parameters(), lr=1e-2), opt_level="O2", verbosity=0,
+                                min_loss_scale=1.0)
+    train_step(model, opt, gen)
+    sd = amp.state_dict()
+    sd["loss_scaler0"] = dict(sd["loss_scaler0"], loss_scale=scale)
+    sd["loss_scaler0"].pop("min_scale", None)
+    sd["loss_scaler0"].pop("max_scale", None)
+    before = amp_world([model], [opt])
+    with pytest.raises(ValueError, match=rf"\['loss_scale'\] must be [<>]= {bound}"):
+        amp.load_state_dict(sd)
+    assert_same_world(before, amp_world([model], [opt]))

@@ -55,7 +55,16 @@ def _validated_scalers(state: Any, where: str) -> list[tuple[int, dict, dict]]:
         check_scale(f"{where}[{key!r}]['loss_scale']", entry["loss_scale"])
         # The growth tracker is an int32 on the device: a larger count could not be stored.
         _check_number(f"{where}[{key!r}]['unskipped']", entry["unskipped"], integer=True, lo=0, hi=INT32_MAX)
-        out.append((idx, entry, validate_extra_state(entry, f"{where}[{key!r}]")))
+        extra = validate_extra_state(entry, f"{where}[{key!r}]")
+        # A dynamic scale outside its bounds would skip steps (above) or never recover (below) until
+        # the update brought it back; GradScaler.load_state_dict refuses the same.
+        current = _amp_state.loss_scalers[idx].state
+        low, high = extra.get("min_scale", current.min_scale), extra.get("max_scale", current.max_scale)
+        if high and entry["loss_scale"] > high:  # 0 or None: no bound (as saved by extra_state)
+            raise ValueError(f"{where}[{key!r}]['loss_scale'] must be <= max_scale ({high}), got {entry['loss_scale']}")
+        if low and entry["loss_scale"] < low:
+            raise ValueError(f"{where}[{key!r}]['loss_scale'] must be >= min_scale ({low}), got {entry['loss_scale']}")
+        out.append((idx, entry, extra))
     return out
 
 
