@@ -35,7 +35,7 @@ inline void read_value(const c10::IValue& v, int64_t& out) { out = v.toInt(); }
 
 // A tensor list of the op, by name, for the checks every family shares.
 struct ListRef {
-  const char* name;
+  const char* list_name;
   const std::vector<at::Tensor>* tensors;
 };
 
@@ -81,7 +81,7 @@ template <class Inputs>
 bool nothing_to_step(const char* op, const Inputs& in) {
   if (!in.params.empty()) return false;
   for (const ListRef& l : in.lists())
-    TORCH_CHECK_VALUE(l.tensors->empty(), arg_name(op, "params"), " is empty but ", l.name, " has ",
+    TORCH_CHECK_VALUE(l.tensors->empty(), arg_name(op, "params"), " is empty but ", l.list_name, " has ",
                       num(l.tensors->size()), " tensors");
   return true;
 }

@@ -12,14 +12,15 @@ namespace mixprec::detail {
 void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
   constexpr const char* kOp = "sgd_";
   const SgdArgs& a = in.args;
-  check_range(kOp, "momentum", a.momentum, 0.0, INFINITY, /*hi_open=*/true);
+  const double momentum = a.momentum, dampening = a.dampening;
+  check_range(kOp, "momentum", momentum, 0.0, INFINITY, /*hi_open=*/true);
   // torch.optim.SGD accepts any dampening; only a non-finite one is nonsense.
-  TORCH_CHECK_VALUE(std::isfinite(a.dampening), arg_name(kOp, "dampening"), " must be finite, got ", num(a.dampening));
+  TORCH_CHECK_VALUE(std::isfinite(dampening), arg_name(kOp, "dampening"), " must be finite, got ", num(dampening));
   check_range(kOp, "weight_decay", a.weight_decay, 0.0, INFINITY, true);
-  TORCH_CHECK_VALUE(!a.nesterov || (a.momentum > 0 && a.dampening == 0), arg_name(kOp, "nesterov"),
-                    " requires momentum > 0 and dampening == 0, got momentum ", num(a.momentum), " and dampening ",
-                    num(a.dampening));
-  const bool use_momentum = a.momentum != 0;
+  TORCH_CHECK_VALUE(!a.nesterov || (momentum > 0 && dampening == 0), arg_name(kOp, "nesterov"),
+                    " requires momentum > 0 and dampening == 0, got momentum ", num(momentum), " and dampening ",
+                    num(dampening));
+  const bool use_momentum = momentum != 0;
   TORCH_CHECK_VALUE(use_momentum == present(in.momentum_buffers) || in.params.empty(), arg_name(kOp, "momentum_buffers"),
                     use_momentum ? " must hold one float32 buffer per param when momentum != 0"
                                  : " must be empty when momentum == 0");
