@@ -1,5 +1,7 @@
 // Every mixprec op's schema, in one place: the contract that the CPU, CUDA and Meta impls, the
 // Python wrappers (python/mixprec/_ops.py) and the C++ header (include/mixprec/ops.h) all follow.
+// The fused optimizers' schemas are built here from their declarations in mixprec/optim_args.h
+// (MIXPREC_DEF_OPTIM), which their impls (ops/optim.h), typed C++ calls and Python calls read too.
 //
 // Conventions. Lists of tensors are matched by index. Optional behaviour is an optional tensor
 // or an empty list, never another op: an empty `out` or `master_params` list means "none".

@@ -50,17 +50,15 @@ class _OptimOp:
         self.op(*[values[n] for n in self.positional], **{n: values[n] for n in self.keywords if n in values})
 
 
-_optim_ops: dict = {}
+# Every optimizer op and twin, looked up at import: torch.compile then traces only the calls.
+_OPTIM_OPS = {name + suffix: _OptimOp(name + suffix)
+              for name in ("adam", "sgd", "lamb", "adagrad", "novograd") for suffix in ("_", "_check")}
 
 
 def _optim_step(family: str, validate_only: bool, values: dict) -> None:
     """Runs ``torch.ops.mixprec.<family>_`` (validate_only: ``<family>_check``, which makes every
     check of the step, layouts and aliasing included, and writes nothing) with ``values``."""
-    name = family + ("_check" if validate_only else "_")
-    op = _optim_ops.get(name)
-    if op is None:
-        op = _optim_ops[name] = _OptimOp(name)
-    op(values)
+    _OPTIM_OPS[family + ("_check" if validate_only else "_")](values)
 
 
 def non_finite_check_and_unscale_(
@@ -306,19 +304,13 @@ def lamb_(
     params, grads, exp_avgs, exp_avg_sqs, master_params = local_lists(
         "lamb_", (params, grads, exp_avgs, exp_avg_sqs, master_params))
     values = locals()
-
-    def run(**split):
-        _optim_step("lamb", validate_only, {**values, **split})
-
-    if layout is None or not params:
-        run()
-        return
-    if weight_decay == 0.0 and not use_nvlamb:
-        run()  # no trust ratio: one element-wise pass
+    if layout is None or not params or (weight_decay == 0.0 and not use_nvlamb):
+        _optim_step("lamb", validate_only, values)  # unsharded, or no trust ratio: one call
         return
     local_norms = torch.empty((2, len(params)), dtype=torch.float32, device=params[0].device)
-    run(local_norms=local_norms)  # step count, moments; ||w||, ||u|| of the shards
-    run(trust_norms=reduce_shard_norms(layout, local_norms, 2.0))  # the update, with whole-tensor norms
+    _optim_step("lamb", False, dict(values, local_norms=local_norms))  # step count, moments; shards' ||w||, ||u||
+    trust_norms = reduce_shard_norms(layout, local_norms, 2.0)
+    _optim_step("lamb", False, dict(values, trust_norms=trust_norms))  # the update, with whole-tensor norms
 
 
 def adagrad_(

@@ -158,3 +158,17 @@ def test_empty_params_is_a_step_over_nothing_after_the_range_checks(op):
         with pytest.raises(ValueError, match=re.escape(f"mixprec::{op}: params is empty but grads has 1 tensors")
                            if op not in ("lamb_", "novograd_") else re.escape(f"mixprec::{op}: grads has 1 tensors")):
             call(op, dict(empty, grads=[torch.zeros(2)]), validate_only=validate_only)
+
+
+@pytest.mark.parametrize("validate_only", [False, True])
+@pytest.mark.parametrize("op", OPS)
+def test_wrappers_trace_whole_under_torch_compile(op, validate_only, gen):
+    """The wrappers pick the schema's arguments by name from their locals: dynamo must trace that
+    without a graph break (fullgraph), and the compiled call must equal the eager one bit for bit."""
+    t = operands(op, gen)
+    eager = {k: [x.clone() for x in v] for k, v in t.items()}
+    torch._dynamo.reset()
+    torch.compile(lambda: call(op, t, validate_only=validate_only), fullgraph=True, backend="eager")()
+    call(op, eager, validate_only=validate_only)
+    for a, b in zip(everything(t), everything(eager)):
+        assert torch.equal(a, b)

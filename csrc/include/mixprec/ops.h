@@ -219,14 +219,17 @@ MIXPREC_OPTIM_FAMILIES(MIXPREC_DEFINE_PUSH_ARGS)
 #undef MIXPREC_DEFINE_PUSH_ARGS
 #undef MIXPREC_PUSH_ARG
 
-// Calls optimizer op `name` (one op per Args type) through the dispatcher, boxed, with its
-// arguments in schema order: the op's tensors, step_tensor, lr, the hyper-parameters, the other
-// step scalars, the op's extra tensors. One body for every family: a new hyper-parameter reaches
-// C++ callers through the Args struct alone.
+inline c10::OperatorHandle find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// Calls optimizer op `op` (a family's step or its validate-only twin <op>_check) through the
+// dispatcher, boxed, with its arguments in schema order: the op's tensors, step_tensor, lr, the
+// hyper-parameters, the other step scalars, the op's extra tensors. One body for every family: a
+// new hyper-parameter reaches C++ callers through the Args struct alone.
 template <class Args>
-void call_optim(const char* name, std::initializer_list<c10::IValue> tensors, const Args& a, const StepArgs& s,
-                std::initializer_list<c10::IValue> extras = {}) {
-  static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+void call_optim(const c10::OperatorHandle& op, std::initializer_list<c10::IValue> tensors, const Args& a,
+                const StepArgs& s, std::initializer_list<c10::IValue> extras = {}) {
   std::vector<c10::IValue> stack(tensors);
   stack.reserve(op.schema().arguments().size());
   stack.emplace_back(s.step_tensor);
@@ -245,13 +248,15 @@ void call_optim(const char* name, std::initializer_list<c10::IValue> tensors, co
 inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                   at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a,
                   const StepArgs& s) {
-  detail::call_optim("mixprec::adam_", {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params}, a, s);
+  static const c10::OperatorHandle op = detail::find_op("mixprec::adam_");
+  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params}, a, s);
 }
 
 // momentum_buffers is empty iff momentum == 0.
 inline void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                  at::TensorList master_params, const SgdArgs& a, const StepArgs& s) {
-  detail::call_optim("mixprec::sgd_", {params, grads, momentum_buffers, master_params}, a, s);
+  static const c10::OperatorHandle op = detail::find_op("mixprec::sgd_");
+  detail::call_optim(op, {params, grads, momentum_buffers, master_params}, a, s);
 }
 
 // global_grad_norm: the unscaled gradient norm over every group (computed from grads when absent).
@@ -262,13 +267,15 @@ inline void lamb_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   const std::optional<at::Tensor>& global_grad_norm = std::nullopt,
                   const std::optional<at::Tensor>& local_norms = std::nullopt,
                   const std::optional<at::Tensor>& trust_norms = std::nullopt) {
-  detail::call_optim("mixprec::lamb_", {params, grads, exp_avgs, exp_avg_sqs, master_params}, a, s,
+  static const c10::OperatorHandle op = detail::find_op("mixprec::lamb_");
+  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sqs, master_params}, a, s,
                      {global_grad_norm, local_norms, trust_norms});
 }
 
 inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                      at::TensorList master_params, const AdagradArgs& a, const StepArgs& s) {
-  detail::call_optim("mixprec::adagrad_", {params, grads, state_sums, master_params}, a, s);
+  static const c10::OperatorHandle op = detail::find_op("mixprec::adagrad_");
+  detail::call_optim(op, {params, grads, state_sums, master_params}, a, s);
 }
 
 // exp_avg_sq_norms: float32 [len(params)], the per-tensor second moments. grad_norms (float32
@@ -276,7 +283,8 @@ inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList
 inline void novograd_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                       const at::Tensor& exp_avg_sq_norms, at::TensorList master_params, const NovoGradArgs& a,
                       const StepArgs& s, const std::optional<at::Tensor>& grad_norms = std::nullopt) {
-  detail::call_optim("mixprec::novograd_", {params, grads, exp_avgs, exp_avg_sq_norms, master_params}, a, s,
+  static const c10::OperatorHandle op = detail::find_op("mixprec::novograd_");
+  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sq_norms, master_params}, a, s,
                      {grad_norms});
 }
 
