@@ -5,6 +5,7 @@
 
 #include <math.h>
 
+#include "include/mixprec/optim_args.h"  // AdagradArgs, torch-free
 #include "kernels/optim_common.h"
 
 namespace mixprec::kernels {
@@ -15,11 +16,9 @@ enum AdagradList : int { kAdagradParam = 0, kAdagradGrad, kAdagradStateSum, kAda
 struct AdagradParams {
   const TensorGroup* group = nullptr;
   StepScalars scalars;
-  float eps = 1e-10f;
-  float weight_decay = 0.f;
-  float lr_decay = 0.f;
-  bool adagrad_w_mode = false;  // decoupled weight decay; false: L2 added to the gradient
-  bool maximize = false;
+  // The hyper-parameters as declared (double); adagrad_w_mode: decoupled weight decay, else L2
+  // added to the gradient.
+  AdagradArgs args;
   bool has_master = false;      // list kAdagradMaster (fp32) is the weight; kAdagradParam gets its rounding
 };
 
@@ -33,15 +32,17 @@ struct AdagradCoefficients {
 
 MIXPREC_HOST_DEVICE inline AdagradCoefficients adagrad_coefficients(const AdagradParams& p) {
   AdagradCoefficients c;
+  const AdagradArgs& a = p.args;
   const float lr = step_lr(p.scalars);
+  const float lr_decay = static_cast<float>(a.lr_decay);
   // torch.optim.Adagrad: lr / (1 + (step - 1) * lr_decay); the step only matters with a decay
   // (the ops tier demands one then).
-  c.clr = p.lr_decay != 0.f ? lr / (1.f + (step_count(p.scalars) - 1.f) * p.lr_decay) : lr;
-  c.eps = p.eps;
-  c.weight_decay = p.weight_decay;
+  c.clr = lr_decay != 0.f ? lr / (1.f + (step_count(p.scalars) - 1.f) * lr_decay) : lr;
+  c.eps = static_cast<float>(a.eps);
+  c.weight_decay = static_cast<float>(a.weight_decay);
   c.inv_scale = grad_inv_scale(p.scalars);
-  c.adagrad_w_mode = p.adagrad_w_mode;
-  c.maximize = p.maximize;
+  c.adagrad_w_mode = a.adagrad_w_mode;
+  c.maximize = a.maximize;
   return c;
 }
 

@@ -5,6 +5,7 @@
 
 #include <math.h>
 
+#include "include/mixprec/optim_args.h"  // AdamArgs, torch-free
 #include "kernels/optim_common.h"
 
 namespace mixprec::kernels {
@@ -15,21 +16,15 @@ enum AdamList : int { kAdamParam = 0, kAdamGrad, kAdamExpAvg, kAdamExpAvgSq, kAd
 struct AdamParams {
   const TensorGroup* group = nullptr;
   StepScalars scalars;
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
+  AdamArgs args;  // the hyper-parameters as declared (double); read once per chunk
   // Derived on the host in double: 1 - beta2 in float loses 1.3e-5 (relative) for beta2 = 0.999,
   // and 1 - powf(beta2, step) as much again.
   float one_minus_beta1 = 0.1f;
   float one_minus_beta2 = 0.001f;
   float log_beta1 = -0.105360516f;  // log(beta1): bias correction 1 - beta^t = -expm1(t * log(beta))
   float log_beta2 = -0.0010005003f;
-  float eps = 1e-8f;
-  float weight_decay = 0.f;
-  bool adam_w_mode = true;     // decoupled weight decay (AdamW); false: L2 added to the gradient
-  bool bias_correction = true;
   bool amsgrad = false;        // list kAdamMaxExpAvgSq is live
   bool has_master = false;     // list kAdamMaster (fp32) is the weight; kAdamParam gets its rounding
-  bool maximize = false;
 };
 
 void adam_cpu(const AdamParams& p, int64_t chunk_begin, int64_t chunk_end);
@@ -45,21 +40,22 @@ struct AdamCoefficients {
 MIXPREC_HOST_DEVICE inline AdamCoefficients adam_coefficients(const AdamParams& p) {
   AdamCoefficients c;
   c.lr = step_lr(p.scalars);
-  c.beta1 = p.beta1;
-  c.beta2 = p.beta2;
+  const AdamArgs& a = p.args;
+  c.beta1 = static_cast<float>(a.beta1);
+  c.beta2 = static_cast<float>(a.beta2);
   c.one_minus_beta1 = p.one_minus_beta1;
   c.one_minus_beta2 = p.one_minus_beta2;
-  c.eps = p.eps;
-  c.weight_decay = p.weight_decay;
+  c.eps = static_cast<float>(a.eps);
+  c.weight_decay = static_cast<float>(a.weight_decay);
   const float step = step_count(p.scalars);
-  const float bc1 = p.bias_correction ? -expm1f(step * p.log_beta1) : 1.f;
-  const float bc2 = p.bias_correction ? -expm1f(step * p.log_beta2) : 1.f;
+  const float bc1 = a.bias_correction ? -expm1f(step * p.log_beta1) : 1.f;
+  const float bc2 = a.bias_correction ? -expm1f(step * p.log_beta2) : 1.f;
   c.step_size = c.lr / bc1;
   c.inv_bias_correction2_sqrt = 1.f / sqrtf(bc2);
   c.inv_scale = grad_inv_scale(p.scalars);
-  c.adam_w_mode = p.adam_w_mode;
+  c.adam_w_mode = a.adam_w_mode;
   c.amsgrad = p.amsgrad;
-  c.maximize = p.maximize;
+  c.maximize = a.maximize;
   return c;
 }
 

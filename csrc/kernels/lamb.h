@@ -23,6 +23,7 @@
 
 #include <math.h>
 
+#include "include/mixprec/optim_args.h"  // LambArgs, torch-free
 #include "kernels/optim_common.h"
 
 namespace mixprec::kernels {
@@ -33,21 +34,17 @@ enum LambList : int { kLambParam = 0, kLambGrad, kLambExpAvg, kLambExpAvgSq, kLa
 struct LambParams {
   const TensorGroup* group = nullptr;
   StepScalars scalars;
-  // Double, so that 1 - beta and the bias corrections are exact enough: 1 - 0.999f is off by
-  // 1.3e-5 relative, which would bias exp_avg_sq (and 1 - 0.999f^t the step) by as much.
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  float eps = 1e-6f;
-  float weight_decay = 0.f;
-  bool bias_correction = true;
-  bool grad_averaging = true;   // beta1's (1 - beta1) factor on the gradient; false: 1
-  bool adam_w_mode = true;      // decoupled decay (added to the update); false: L2 added to the gradient
+  // The hyper-parameters as declared, in double, so that 1 - beta and the bias corrections are
+  // exact enough: 1 - 0.999f is off by 1.3e-5 relative, which would bias exp_avg_sq (and
+  // 1 - 0.999f^t the step) by as much. grad_averaging: beta1's (1 - beta1) factor on the gradient
+  // (false: 1); adam_w_mode: decoupled decay (added to the update), else L2 added to the gradient.
+  LambArgs args;
   bool has_master = false;      // list kLambMaster (fp32) is the weight; kLambParam gets its rounding
   // Clipping: grads are divided by max(1, norm / max_grad_norm), norm = *global_grad_norm of the
   // unscaled grads (times 1/grad_scale first when global_grad_norm_scaled). Null: no clipping.
+  // The limit is args.max_grad_norm.
   const float* global_grad_norm = nullptr;
   bool global_grad_norm_scaled = false;
-  float max_grad_norm = 1.f;
   // Two passes with a trust ratio (weight_decay != 0 or use_nvlamb); otherwise the moments pass
   // applies lr * u directly.
   bool trust_ratio = true;
@@ -75,25 +72,27 @@ MIXPREC_HOST_DEVICE inline LambCoefficients lamb_coefficients(const LambParams& 
   LambCoefficients c;
   c.lr = step_lr(p.scalars);
   // Scalars in double once per chunk (cheap), elements in float.
-  c.beta1 = static_cast<float>(p.beta1);
-  c.beta2 = static_cast<float>(p.beta2);
-  c.beta3 = p.grad_averaging ? static_cast<float>(1.0 - p.beta1) : 1.f;
-  c.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
-  c.eps = p.eps;
-  c.weight_decay = p.weight_decay;
+  const LambArgs& a = p.args;
+  c.beta1 = static_cast<float>(a.beta1);
+  c.beta2 = static_cast<float>(a.beta2);
+  c.beta3 = a.grad_averaging ? static_cast<float>(1.0 - a.beta1) : 1.f;
+  c.one_minus_beta2 = static_cast<float>(1.0 - a.beta2);
+  c.eps = static_cast<float>(a.eps);
+  c.weight_decay = static_cast<float>(a.weight_decay);
   const double step = step_count(p.scalars);
-  c.inv_bias_correction1 = p.bias_correction ? static_cast<float>(1.0 / (1.0 - pow(p.beta1, step))) : 1.f;
-  c.inv_bias_correction2 = p.bias_correction ? static_cast<float>(1.0 / (1.0 - pow(p.beta2, step))) : 1.f;
+  c.inv_bias_correction1 = a.bias_correction ? static_cast<float>(1.0 / (1.0 - pow(a.beta1, step))) : 1.f;
+  c.inv_bias_correction2 = a.bias_correction ? static_cast<float>(1.0 / (1.0 - pow(a.beta2, step))) : 1.f;
   // Unscale and clip with one multiply: g * (1/scale) / max(1, norm / max_grad_norm).
   const float inv_scale = grad_inv_scale(p.scalars);
   float clip = 1.f;
   if (p.global_grad_norm != nullptr) {
     const float norm = *p.global_grad_norm * (p.global_grad_norm_scaled ? inv_scale : 1.f);
-    if (norm > p.max_grad_norm) clip = norm / p.max_grad_norm;
+    const float max_norm = static_cast<float>(a.max_grad_norm);
+    if (norm > max_norm) clip = norm / max_norm;
   }
   c.grad_factor = inv_scale / clip;
   c.inv_scale = inv_scale;
-  c.adam_w_mode = p.adam_w_mode;
+  c.adam_w_mode = a.adam_w_mode;
   return c;
 }
 

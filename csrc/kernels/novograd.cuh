@@ -18,7 +18,8 @@ __global__ void __launch_bounds__(kNovoGradMomentThreads) novograd_moment_kernel
   if (i >= p.num_tensors) return;
   const float n = p.grad_norms[i] * grad_inv_scale(p.scalars);
   p.exp_avg_sq_norms[i] =
-      novograd_moment(p.type, p.exp_avg_sq_norms[i], n, p.beta2, novograd_seeds(p.scalars, p.init_zero));
+      novograd_moment(p.type, p.exp_avg_sq_norms[i], n, static_cast<float>(p.args.beta2),
+                      novograd_seeds(p.scalars, p.args.init_zero));
 }
 
 // TP: model param storage, TG: grad storage; the first moment and the master are float32.

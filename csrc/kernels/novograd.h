@@ -36,6 +36,7 @@
 
 #include <math.h>
 
+#include "include/mixprec/optim_args.h"  // NovoGradArgs, torch-free
 #include "kernels/norm.h"
 #include "kernels/optim_common.h"
 
@@ -50,9 +51,8 @@ struct NovoGradMomentParams {
   const float* grad_norms = nullptr;  // [num_tensors] norms of the grads as stored (still scaled)
   float* exp_avg_sq_norms = nullptr;  // [num_tensors] v, updated in place
   int64_t num_tensors = 0;
-  NormType type = NormType::kL2;
-  float beta2 = 0.999f;
-  bool init_zero = false;
+  NormType type = NormType::kL2;       // from args.norm_type, checked by the ops tier
+  NovoGradArgs args;                  // beta2, init_zero
   StepScalars scalars;                // step (already incremented), grad_scale, found_inf
 };
 
@@ -64,13 +64,7 @@ struct NovoGradParams {
   const TensorGroup* group = nullptr;
   StepScalars scalars;
   const float* exp_avg_sq_norms = nullptr;  // [num args] v, already updated for this step
-  float beta1 = 0.9f;
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.f;
-  bool bias_correction = true;
-  bool grad_averaging = true;
-  bool reg_inside_moment = false;
+  NovoGradArgs args;                        // the hyper-parameters as declared (double)
   bool has_master = false;  // list kNovoGradMaster (fp32) is the weight; kNovoGradParam gets its rounding
 };
 
@@ -103,15 +97,17 @@ struct NovoGradCoefficients {
 MIXPREC_HOST_DEVICE inline NovoGradCoefficients novograd_coefficients(const NovoGradParams& p) {
   NovoGradCoefficients c;
   c.lr = step_lr(p.scalars);
-  c.beta1 = p.beta1;
-  c.beta3 = p.grad_averaging ? 1.f - p.beta1 : 1.f;
+  const NovoGradArgs& a = p.args;
+  c.beta1 = static_cast<float>(a.beta1);
+  const float beta2 = static_cast<float>(a.beta2);
+  c.beta3 = a.grad_averaging ? 1.f - c.beta1 : 1.f;
   const float step = step_count(p.scalars);
-  c.bias_correction1 = p.bias_correction ? one_minus_pow(p.beta1, step) : 1.f;
-  c.bias_correction2 = p.bias_correction ? sqrtf(one_minus_pow(p.beta2, step)) : 1.f;
-  c.eps = p.eps;
-  c.weight_decay = p.weight_decay;
+  c.bias_correction1 = a.bias_correction ? one_minus_pow(c.beta1, step) : 1.f;
+  c.bias_correction2 = a.bias_correction ? sqrtf(one_minus_pow(beta2, step)) : 1.f;
+  c.eps = static_cast<float>(a.eps);
+  c.weight_decay = static_cast<float>(a.weight_decay);
   c.inv_scale = grad_inv_scale(p.scalars);
-  c.reg_inside_moment = p.reg_inside_moment;
+  c.reg_inside_moment = a.reg_inside_moment;
   return c;
 }
 

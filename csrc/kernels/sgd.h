@@ -3,6 +3,7 @@
 // writing the fp32 master and the rounded model copy together when master weights are kept.
 #pragma once
 
+#include "include/mixprec/optim_args.h"  // SgdArgs, torch-free
 #include "kernels/optim_common.h"
 
 namespace mixprec::kernels {
@@ -13,12 +14,9 @@ enum SgdList : int { kSgdParam = 0, kSgdGrad, kSgdMomentum, kSgdMaster, kSgdList
 struct SgdParams {
   const TensorGroup* group = nullptr;
   StepScalars scalars;
-  float momentum = 0.f;           // 0: plain SGD, list kSgdMomentum is absent
-  float dampening = 0.f;
-  float weight_decay = 0.f;
-  bool nesterov = false;
-  bool wd_after_momentum = false;  // Apex: decay added to the momentum-filtered direction
-  bool maximize = false;
+  // The hyper-parameters as declared (double). momentum 0: plain SGD, list kSgdMomentum is
+  // absent; wd_after_momentum (Apex): decay added to the momentum-filtered direction.
+  SgdArgs args;
   bool has_master = false;         // list kSgdMaster (fp32) is the weight; kSgdParam gets its rounding
 };
 
@@ -35,17 +33,18 @@ struct SgdCoefficients {
 MIXPREC_HOST_DEVICE inline SgdCoefficients sgd_coefficients(const SgdParams& p) {
   SgdCoefficients c;
   c.lr = step_lr(p.scalars);
-  c.momentum = p.momentum;
-  c.one_minus_dampening = 1.f - p.dampening;
-  c.weight_decay = p.weight_decay;
+  const SgdArgs& a = p.args;
+  c.momentum = static_cast<float>(a.momentum);
+  c.one_minus_dampening = 1.f - static_cast<float>(a.dampening);
+  c.weight_decay = static_cast<float>(a.weight_decay);
   c.inv_scale = grad_inv_scale(p.scalars);
-  c.use_momentum = p.momentum != 0.f;
+  c.use_momentum = c.momentum != 0.f;
   // The step count only matters with momentum (the ops tier demands one then); a skipped step
   // does not advance it, so the step after a skipped first step is still the first.
   c.first_step = c.use_momentum && step_count(p.scalars) == 1.f;
-  c.nesterov = p.nesterov;
-  c.wd_after_momentum = p.wd_after_momentum;
-  c.maximize = p.maximize;
+  c.nesterov = a.nesterov;
+  c.wd_after_momentum = a.wd_after_momentum;
+  c.maximize = a.maximize;
   return c;
 }
 

@@ -1,5 +1,7 @@
 // Every mixprec op's schema, in one place: the contract that the CPU, CUDA and Meta impls, the
 // Python wrappers (python/mixprec/_ops.py) and the C++ header (include/mixprec/ops.h) all follow.
+// The fused optimizers' schemas are built here from their declarations in mixprec/optim_args.h
+// (MIXPREC_DEF_OPTIM), which their impls (ops/optim.h), typed C++ calls and Python calls read too.
 //
 // Conventions. Lists of tensors are matched by index. Optional behaviour is an optional tensor
 // or an empty list, never another op: an empty `out` or `master_params` list means "none".
@@ -11,6 +13,10 @@
 
 #include <string>
 
+#include <mixprec/optim_args.h>
+
+#include "ops/format.h"
+
 #ifndef MIXPREC_TORCH_VERSION
 #define MIXPREC_TORCH_VERSION "unknown"
 #endif
@@ -18,7 +24,51 @@
 namespace mixprec::detail {
 // The version of torch this library was compiled against; Python compares it on import.
 const char* built_torch_version() { return MIXPREC_TORCH_VERSION; }
+
+namespace {
+
+// Pieces of an optimizer op's schema (see the fused optimizers below). `check`: the validate-only
+// twin, whose arguments carry no alias annotations.
+void add(std::string& s, const std::string& arg) { s += (s.empty() ? "" : ", ") + arg; }
+
+void add_tensor(std::string& s, bool check, bool list, const char* name, const char* alias) {
+  add(s, std::string("Tensor") + (check ? "" : std::string("(") + alias + ")") + (list ? "[] " : " ") + name);
+}
+
+void add_extra(std::string& s, bool check, const char* name, const char* alias) {
+  const bool annotate = !check && *alias != '\0';
+  add(s, std::string("Tensor") + (annotate ? std::string("(") + alias + ")" : "") + "? " + name + "=None");
+}
+
+// A hyper-parameter with its declared default, as the schema parser reads it.
+void add_arg(std::string& s, const char* name, double v) {
+  std::string text = num(v);  // shortest round trip; "1e-08", "0.9", "0" ...
+  if (text.find_first_of(".e") == std::string::npos) text += ".";  // a float literal, not an int
+  add(s, std::string("float ") + name + "=" + text);
+}
+void add_arg(std::string& s, const char* name, bool v) { add(s, std::string("bool ") + name + (v ? "=True" : "=False")); }
+void add_arg(std::string& s, const char* name, int64_t v) { add(s, std::string("int ") + name + "=" + std::to_string(v)); }
+
+}  // namespace
 }  // namespace mixprec::detail
+
+#define MIXPREC_SCHEMA_IS_LIST_LIST true
+#define MIXPREC_SCHEMA_IS_LIST_TENSOR false
+#define MIXPREC_SCHEMA_TENSOR(kind, name, alias) \
+  mixprec::detail::add_tensor(s, check, MIXPREC_SCHEMA_IS_LIST_##kind, #name, alias);
+#define MIXPREC_SCHEMA_ARG(type, name, default_value) mixprec::detail::add_arg(s, #name, type(default_value));
+#define MIXPREC_SCHEMA_EXTRA(name, alias) mixprec::detail::add_extra(s, check, #name, alias);
+// Defines family `op`'s schema (`check`: its validate-only twin's) from its declaration.
+#define MIXPREC_DEF_OPTIM(op, Struct, MACRO)                                                                   \
+  {                                                                                                            \
+    std::string s;                                                                                             \
+    MIXPREC_##MACRO##_TENSORS(MIXPREC_SCHEMA_TENSOR)                                                           \
+    s += check ? ", Tensor? step_tensor, *, float lr" : ", Tensor(f!)? step_tensor, *, float lr";               \
+    MIXPREC_##MACRO##_ARGS(MIXPREC_SCHEMA_ARG)                                                                 \
+    s += ", int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None";              \
+    MIXPREC_##MACRO##_EXTRAS(MIXPREC_SCHEMA_EXTRA)                                                             \
+    m.def((std::string(#op) + (check ? "_check(" : "_(") + s + ") -> ()").c_str());                            \
+  }
 
 TORCH_LIBRARY(mixprec, m) {
   // The torch version the library was compiled against, checked by `import mixprec`.
@@ -107,26 +157,24 @@ TORCH_LIBRARY(mixprec, m) {
   // (fp32, one per param) the master is the weight and params receive its rounding, in the same
   // pass. grads are divided by grad_scale when given, and then hold that unscaled gradient
   // (torch's fused-optimizer contract; not written without grad_scale). found_inf set: nothing
-  // changes at all, grads included.
+  // changes at all, grads included. An empty params list (with every other list empty) is a step
+  // over nothing: the hyper-parameters are checked and nothing is touched, step_tensor included.
   // State lists are float32 (Adam moments may be bfloat16) and shaped like params.
   //
-  // Adam/AdamW: adam_w_mode picks decoupled weight decay (else L2 added to the gradient);
+  // Each schema is built from the family's declaration in mixprec/optim_args.h (tensors, the
+  // MIXPREC_<FAMILY>_ARGS field list with its defaults, extra tensors), around the shared step
+  // scalars: "<op>_(<tensors>, Tensor(f!)? step_tensor, *, float lr, <hyper-parameters>,
+  // int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, <extras>)
+  // -> ()". Each op has a validate-only twin "<op>_check" with the same arguments, none of them
+  // annotated as written: it runs every check of the step (ranges, devices, dtypes, shapes,
+  // layouts, aliasing) and writes nothing, so a caller can validate all its groups before any steps.
+  //
+  // adam_ (Adam/AdamW): adam_w_mode picks decoupled weight decay (else L2 added to the gradient);
   // amsgrad is on when max_exp_avg_sqs is non-empty.
-  m.def(
-      "adam_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, "
-      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
-      "bool maximize=False, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None) -> ()");
-  // SGD with torch.optim.SGD's semantics (the first step, step == 1, sets the momentum buffer to
-  // the gradient); momentum_buffers is empty iff momentum == 0. wd_after_momentum (Apex) adds
-  // the decay after the momentum update instead of to the gradient.
-  m.def(
-      "sgd_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] momentum_buffers, Tensor(e!)[] master_params, "
-      "Tensor(f!)? step_tensor, *, float lr, float momentum, float dampening, float weight_decay, bool nesterov, "
-      "bool wd_after_momentum=False, bool maximize=False, int step=0, Tensor? lr_tensor=None, "
-      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
-  // LAMB (You et al. 2019) with Apex's options: grads clipped by max_grad_norm against the
+  // sgd_: torch.optim.SGD's semantics (the first step, step == 1, sets the momentum buffer to the
+  // gradient); momentum_buffers is empty iff momentum == 0. wd_after_momentum (Apex) adds the
+  // decay after the momentum update instead of to the gradient.
+  // lamb_ (You et al. 2019) with Apex's options: grads clipped by max_grad_norm against the
   // global gradient norm (global_grad_norm, the unscaled norm over all groups, computed here
   // from grads when None), per-tensor trust ratio ||w|| / ||update||, use_nvlamb applying it
   // also to tensors without weight decay; adam_w_mode picks decoupled decay.
@@ -135,28 +183,14 @@ TORCH_LIBRARY(mixprec, m) {
   // runs the first pass only (step count, moments) and writes ||w|| and ||u|| of each tensor as
   // given (a shard) into it; the caller reduces them across ranks and passes the result as
   // trust_norms, and that call runs the second pass only (the update).
-  m.def(
-      "lamb_(Tensor(a!)[] params, Tensor(h!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
-      "Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, float beta1, float beta2, float eps, "
-      "float weight_decay, bool bias_correction, bool grad_averaging, bool adam_w_mode, float max_grad_norm, "
-      "bool use_nvlamb, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "
-      "Tensor? global_grad_norm=None, Tensor(g!)? local_norms=None, Tensor? trust_norms=None) -> ()");
-  // Adagrad with torch.optim.Adagrad's lr_decay; adagrad_w_mode (Apex) decays decoupled,
-  // otherwise the L2 term is added to the gradient.
-  m.def(
-      "adagrad_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] state_sums, Tensor(e!)[] master_params, "
-      "Tensor(f!)? step_tensor, *, float lr, float eps, float weight_decay, float lr_decay, bool adagrad_w_mode, "
-      "bool maximize=False, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None) -> ()");
-  // NovoGrad (Ginsburg et al. 2019) with Apex's options: a per-tensor second moment
+  // adagrad_: torch.optim.Adagrad's lr_decay; adagrad_w_mode (Apex) decays decoupled, otherwise
+  // the L2 term is added to the gradient.
+  // novograd_ (Ginsburg et al. 2019) with Apex's options: a per-tensor second moment
   // (exp_avg_sq_norms, float32 [len(params)]) from the norm of each gradient (norm_type 2 or
   // inf), grad_averaging, reg_inside_moment, init_zero. grad_norms (float32 [len(params)], the
   // norms of the grads as stored, still scaled) replaces the op's own norm pass: for sharded
   // tensors, whose whole-tensor norms the caller reduces across ranks.
-  m.def(
-      "novograd_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, Tensor(c!) exp_avg_sq_norms, "
-      "Tensor(e!)[] master_params, Tensor(f!)? step_tensor, *, float lr, float beta1, float beta2, float eps, "
-      "float weight_decay, bool bias_correction, bool grad_averaging, bool reg_inside_moment, float norm_type, "
-      "bool init_zero, int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None, Tensor? grad_norms=None) -> ()");
+  for (const bool check : {false, true}) {
+    MIXPREC_OPTIM_FAMILIES(MIXPREC_DEF_OPTIM)
+  }
 }

@@ -1,12 +1,12 @@
-// Validation and packing for the fused NovoGrad op (see novograd.h): gradient norms through the
-// norm machinery, then the moment update and the element-wise pass, all on the op's device.
-#include "ops/novograd.h"
-
+// Validation and packing for the fused NovoGrad op (declared in mixprec/optim_args.h): gradient
+// norms through the norm machinery, then the moment update and the element-wise pass, all on the
+// op's device, through each backend's NovoGradRunners (ops/optim.h).
 #include <c10/core/DeviceGuard.h>
 
 #include <cmath>
 #include <vector>
 
+#include "ops/optim.h"
 #include "ops/optim_common.h"
 
 namespace mixprec::detail {
@@ -67,54 +67,51 @@ void check_per_tensor_storage(const char* arg, const at::Tensor& t, const at::De
   TORCH_CHECK(t.is_contiguous(), what, " is not contiguous");
 }
 
-}  // namespace
-
-void novograd_check_shapes(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           const at::Tensor& exp_avg_sq_norms, at::TensorList master_params,
-                           const std::optional<at::Tensor>& grad_norms) {
+// Checks that need no data: list lengths, the per-tensor vectors' shapes.
+void check_shapes(const NovoGradInputs& in) {
   // Plain calls rather than a loop over a braced list: built with GCC 13.3 against torch 2.11, a
   // length error thrown from such a loop here crashed the process (cause not established).
-  const int64_t n = static_cast<int64_t>(params.size());
-  check_list_length("grads", static_cast<int64_t>(grads.size()), n, "");
-  check_list_length("exp_avgs", static_cast<int64_t>(exp_avgs.size()), n, "");
-  if (!master_params.empty())
-    check_list_length("master_params", static_cast<int64_t>(master_params.size()), n,
+  const int64_t n = static_cast<int64_t>(in.params.size());
+  check_list_length("grads", static_cast<int64_t>(in.grads.size()), n, "");
+  check_list_length("exp_avgs", static_cast<int64_t>(in.exp_avgs.size()), n, "");
+  if (!in.master_params.empty())
+    check_list_length("master_params", static_cast<int64_t>(in.master_params.size()), n,
                       " (pass an empty list for no master weights)");
-  check_per_tensor_shape("exp_avg_sq_norms", exp_avg_sq_norms, n, "one second moment per tensor of params");
-  if (grad_norms) check_per_tensor_shape("grad_norms", *grad_norms, n, "one gradient norm per tensor of params");
+  check_per_tensor_shape("exp_avg_sq_norms", in.exp_avg_sq_norms, n, "one second moment per tensor of params");
+  if (in.grad_norms) check_per_tensor_shape("grad_norms", *in.grad_norms, n, "one gradient norm per tensor of params");
 }
 
-void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, const at::Tensor& exp_avg_sq_norms,
-                   at::TensorList master_params, const std::optional<at::Tensor>& step_tensor, double lr, double beta1,
-                   double beta2, double eps, double weight_decay, bool bias_correction, bool grad_averaging,
-                   bool reg_inside_moment, double norm_type, bool init_zero, int64_t step,
-                   const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& given_grad_norms,
-                   NovoGradRunners run) {
-  // Everything is checked before anything runs, so a rejected call modifies nothing.
-  check_range(kOp, "beta1", beta1, 0.0, 1.0, /*hi_open=*/true);
-  check_range(kOp, "beta2", beta2, 0.0, 1.0, /*hi_open=*/true);
-  check_range(kOp, "eps", eps, 0.0, INFINITY, true);
-  check_range(kOp, "weight_decay", weight_decay, 0.0, INFINITY, true);
-  const kernels::NormType type = novograd_norm_type(norm_type);
-  novograd_check_shapes(params, grads, exp_avgs, exp_avg_sq_norms, master_params, given_grad_norms);
-  if (params.empty()) return;
+}  // namespace
 
-  const at::Device device = op_device(kOp, {"params", params}, std::nullopt);
+void novograd_impl(const NovoGradInputs& in, const NovoGradRunners& run, bool validate_only) {
+  const NovoGradArgs& a = in.args;
+  const at::Tensor& exp_avg_sq_norms = in.exp_avg_sq_norms;
+  const std::optional<at::Tensor>& given_grad_norms = in.grad_norms;
+  // Everything is checked before anything runs, so a rejected call modifies nothing.
+  check_range(kOp, "beta1", a.beta1, 0.0, 1.0, /*hi_open=*/true);
+  check_range(kOp, "beta2", a.beta2, 0.0, 1.0, /*hi_open=*/true);
+  check_range(kOp, "eps", a.eps, 0.0, INFINITY, true);
+  check_range(kOp, "weight_decay", a.weight_decay, 0.0, INFINITY, true);
+  const kernels::NormType type = novograd_norm_type(a.norm_type);
+  check_shapes(in);
+  if (nothing_to_step(kOp, in)) return;
+
+  const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
   // The step count is needed for bias correction and, without init_zero, to know the first step.
-  const kernels::StepScalars scalars = step_scalars(kOp, device, step_tensor, step, lr, lr_tensor, grad_scale,
-                                                    found_inf, /*needs_step=*/bias_correction || !init_zero);
+  const kernels::StepScalars scalars =
+      step_scalars(kOp, device, in.step, /*needs_step=*/a.bias_correction || !a.init_zero);
   check_per_tensor_storage("exp_avg_sq_norms", exp_avg_sq_norms, device);
   if (given_grad_norms) check_per_tensor_storage("grad_norms", *given_grad_norms, device);
 
-  const NamedList param_list{"params", params}, avg_list{"exp_avgs", exp_avgs};
+  const NamedList param_list{"params", in.params}, avg_list{"exp_avgs", in.exp_avgs};
   check_state_dtypes(kOp, avg_list, /*allow_bf16=*/false);
-  const bool has_master = present(master_params);
-  const NamedList master_list = master_list_or(master_params, param_list);
+  const bool has_master = present(in.master_params);
+  const NamedList master_list = master_list_or(in.master_params, param_list);
   if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
   // Without master weights, params stand in for the master list: the kernels never touch it.
   const PackedLists packed =
-      pack_lists(kOp, {param_list, grad_list(grads), avg_list, master_list}, device, kInPlaceUpdate);
+      pack_lists(kOp, {param_list, grad_list(in.grads), avg_list, master_list}, device, kInPlaceUpdate);
+  if (validate_only) return;
 
   const c10::DeviceGuard guard(device);
   const auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
@@ -129,7 +126,7 @@ void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList e
       np.group = &g;
       np.type = type;
       np.partials = partials.data_ptr<float>();
-      run.norm_partials(np);
+      run.norm.partials(np);
     }
     kernels::NormFinalizeParams f;
     f.all = &packed.all;
@@ -138,34 +135,27 @@ void novograd_impl(at::TensorList params, at::TensorList grads, at::TensorList e
     f.total_chunks = packed.total_chunks;
     f.total = total.data_ptr<float>();
     f.per_tensor = grad_norms.data_ptr<float>();
-    run.norm_finalize(f);
+    run.norm.finalize(f);
   }
 
-  if (step_tensor) run.increment_step(step_tensor_ptr(step_tensor), scalars.found_inf);
+  if (in.step.step_tensor) run.increment_step(step_tensor_ptr(in.step.step_tensor), scalars.found_inf);
 
   kernels::NovoGradMomentParams mp;
   mp.grad_norms = grad_norms.data_ptr<float>();
   mp.exp_avg_sq_norms = exp_avg_sq_norms.data_ptr<float>();
   mp.num_tensors = packed.num_tensors;
   mp.type = type;
-  mp.beta2 = static_cast<float>(beta2);
-  mp.init_zero = init_zero;
+  mp.args = a;
   mp.scalars = scalars;
   run.moment(mp);
 
+  kernels::NovoGradParams p;
+  p.scalars = scalars;
+  p.exp_avg_sq_norms = exp_avg_sq_norms.data_ptr<float>();
+  p.args = a;
+  p.has_master = has_master;
   for (const kernels::TensorGroup& g : packed.groups) {
-    kernels::NovoGradParams p;
     p.group = &g;
-    p.scalars = scalars;
-    p.exp_avg_sq_norms = exp_avg_sq_norms.data_ptr<float>();
-    p.beta1 = static_cast<float>(beta1);
-    p.beta2 = static_cast<float>(beta2);
-    p.eps = static_cast<float>(eps);
-    p.weight_decay = static_cast<float>(weight_decay);
-    p.bias_correction = bias_correction;
-    p.grad_averaging = grad_averaging;
-    p.reg_inside_moment = reg_inside_moment;
-    p.has_master = has_master;
     run.step(p);
   }
 }

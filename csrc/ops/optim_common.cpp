@@ -6,13 +6,18 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 namespace mixprec::detail {
 
-kernels::StepScalars step_scalars(const char* op, const at::Device& device, const std::optional<at::Tensor>& step_tensor,
-                                  int64_t step, double lr, const std::optional<at::Tensor>& lr_tensor,
-                                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-                                  bool needs_step) {
+kernels::StepScalars step_scalars(const char* op, const at::Device& device, const StepArgs& in, bool needs_step) {
+  const std::optional<at::Tensor>& step_tensor = in.step_tensor;
+  const std::optional<at::Tensor>& lr_tensor = in.lr_tensor;
+  const std::optional<at::Tensor>& grad_scale = in.grad_scale;
+  const std::optional<at::Tensor>& found_inf = in.found_inf;
+  const double lr = in.lr;
+  const int64_t step = in.step;
   kernels::StepScalars s;
   if (step_tensor) {
     check_scalar_tensor(op, "step_tensor", *step_tensor, device);
@@ -59,7 +64,7 @@ void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, 
   }
 }
 
-}  // namespace mixprec::detail
+namespace {
 
 // A call whose lists are all empty and whose device scalars are all None carries no tensor for
 // the dispatcher to pick a backend by (a filtered param list can come out empty, on either
@@ -67,7 +72,6 @@ void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, 
 // really holds no tensor, then runs the op's CPU kernel, which checks the hyper-parameters and the
 // list lengths like any other call and has nothing to update. Backend kernels win whenever a
 // tensor is present.
-namespace {
 void no_tensors(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (const c10::IValue& v : torch::jit::last(*stack, op.schema().arguments().size())) {
     const bool tensor = (v.isTensor() && v.toTensor().defined()) || (v.isTensorList() && !v.toTensorList().empty());
@@ -75,9 +79,37 @@ void no_tensors(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
 }
+
+// The Meta kernel of every optimizer op and its validate-only twin: they return nothing, so
+// torch.compile's fake tensors need no shapes from them; list lengths are what is checkable
+// without data. Each non-empty tensor list must match params' (arguments[0]) length; the rules
+// on which lists may be empty (sgd's momentum_buffers ...) are the impls'.
+void optim_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const std::vector<c10::Argument>& args = op.schema().arguments();
+  const auto in = torch::jit::last(*stack, args.size());
+  const std::string name = op.schema().name().substr(sizeof("mixprec::") - 1);
+  const size_t n = in[0].toTensorList().size();
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (!in[i].isTensorList()) continue;
+    const size_t k = in[i].toTensorList().size();
+    TORCH_CHECK_VALUE(k == 0 || k == n, arg_name(name.c_str(), args[i].name().c_str()), " has ", num(k),
+                      " tensors but params has ", num(n));
+  }
+  torch::jit::drop(*stack, args.size());
+}
+
 }  // namespace
 
+#define MIXPREC_OPTIM_OP_NAMES(op, Struct, MACRO) #op "_", #op "_check",
+
 TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) {
-  for (const char* name : {"adam_", "sgd_", "lamb_", "adagrad_", "novograd_", "multi_tensor_norm"})
+  for (const char* name : {MIXPREC_OPTIM_FAMILIES(MIXPREC_OPTIM_OP_NAMES) "multi_tensor_norm"})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&no_tensors>());
 }
+
+TORCH_LIBRARY_IMPL(mixprec, Meta, m) {
+  for (const char* name : {MIXPREC_OPTIM_FAMILIES(MIXPREC_OPTIM_OP_NAMES)})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&optim_meta>());
+}
+
+}  // namespace mixprec::detail

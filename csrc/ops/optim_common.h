@@ -6,6 +6,8 @@
 
 #include <optional>
 
+#include <mixprec/ops.h>  // StepArgs
+
 #include "kernels/optim_common.h"
 #include "ops/tensor_lists.h"
 
@@ -13,10 +15,7 @@ namespace mixprec::detail {
 
 // Checks and converts the step scalars of optimizer op `op` running on `device`. Nothing runs yet:
 // the step tensor is incremented by the backend (kernels::increment_step_*) right before the update.
-kernels::StepScalars step_scalars(const char* op, const at::Device& device, const std::optional<at::Tensor>& step_tensor,
-                                  int64_t step, double lr, const std::optional<at::Tensor>& lr_tensor,
-                                  const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-                                  bool needs_step);
+kernels::StepScalars step_scalars(const char* op, const at::Device& device, const StepArgs& step, bool needs_step);
 
 // Mutable pointer of the step tensor (null when absent), for the increment.
 inline float* step_tensor_ptr(const std::optional<at::Tensor>& step_tensor) {

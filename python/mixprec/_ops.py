@@ -33,6 +33,34 @@ class _Overloads:
 _ops = _Overloads()
 
 
+class _OptimOp:
+    """One fused optimizer op (``<family>_``, or its validate-only twin ``<family>_check``) called
+    with its arguments picked by name from a wrapper's locals, in its schema's order: the keyword
+    block of every optimizer wrapper comes from the schema (built in C++ from the family's
+    declaration in mixprec/optim_args.h), so the wrappers never spell it out. Names the wrapper
+    lacks (a hyper-parameter newer than its signature) take the schema's default."""
+
+    def __init__(self, name: str):
+        args = getattr(_ops, name)._schema.arguments
+        self.op = getattr(_ops, name)
+        self.positional = tuple(a.name for a in args if not a.kwarg_only)
+        self.keywords = tuple(a.name for a in args if a.kwarg_only)
+
+    def __call__(self, values: dict) -> None:
+        self.op(*[values[n] for n in self.positional], **{n: values[n] for n in self.keywords if n in values})
+
+
+# Every optimizer op and twin, looked up at import: torch.compile then traces only the calls.
+_OPTIM_OPS = {name + suffix: _OptimOp(name + suffix)
+              for name in ("adam", "sgd", "lamb", "adagrad", "novograd") for suffix in ("_", "_check")}
+
+
+def _optim_step(family: str, validate_only: bool, values: dict) -> None:
+    """Runs ``torch.ops.mixprec.<family>_`` (validate_only: ``<family>_check``, which makes every
+    check of the step, layouts and aliasing included, and writes nothing) with ``values``."""
+    _OPTIM_OPS[family + ("_check" if validate_only else "_")](values)
+
+
 def non_finite_check_and_unscale_(
     grads: Sequence[torch.Tensor],
     found_inf: Optional[torch.Tensor],
@@ -183,6 +211,7 @@ def adam_(
     lr_tensor: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    validate_only: bool = False,
 ) -> None:
     """One fused Adam (``adam_w_mode=False``: L2 decay) or AdamW step over lists of tensors.
 
@@ -191,16 +220,18 @@ def adam_(
     receive the rounded result in the same pass. ``step_tensor`` (float32, one element) is
     incremented on the device unless ``found_inf`` is set and used for bias correction; without
     it the host ``step`` (counting this step) is used. amsgrad is on when ``max_exp_avg_sqs`` is
-    given. Moments are float32, or bfloat16 to save memory.
+    given. Moments are float32, or bfloat16 to save memory. An empty ``params`` (every other list
+    empty too) is a step over nothing: the hyper-parameters are checked, nothing is touched.
+
+    ``validate_only=True`` (every optimizer op takes it) runs every check the step makes, with the
+    same error class and message (hyper-parameter ranges, devices, dtypes, shapes, layouts,
+    tensors shared between lists) and changes nothing: ``torch.ops.mixprec.adam_check``. A
+    caller stepping several param groups validates them all first, so a bad group refuses the
+    whole step before any group is updated.
     """
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params = local_lists(
         "adam_", (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params))
-    _ops.adam_(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
-        step_tensor, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, adam_w_mode=adam_w_mode,
-        bias_correction=bias_correction, maximize=maximize, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale,
-        found_inf=found_inf,
-    )
+    _optim_step("adam", validate_only, locals())
 
 
 def sgd_(
@@ -221,19 +252,15 @@ def sgd_(
     lr_tensor: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    validate_only: bool = False,
 ) -> None:
     """One fused SGD step with torch.optim.SGD's semantics (the first step sets the momentum
     buffer to the gradient). ``momentum_buffers`` is empty when ``momentum == 0``. The shared
-    arguments (master_params, step_tensor, step, lr_tensor, grad_scale, found_inf) are as in
-    :func:`adam_`."""
+    arguments (master_params, step_tensor, step, lr_tensor, grad_scale, found_inf, validate_only)
+    are as in :func:`adam_`."""
     params, grads, momentum_buffers, master_params = local_lists(
         "sgd_", (params, grads, momentum_buffers, master_params))
-    _ops.sgd_(
-        params, grads, momentum_buffers, master_params, step_tensor, lr=lr,
-        momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-        wd_after_momentum=wd_after_momentum, maximize=maximize, step=step, lr_tensor=lr_tensor,
-        grad_scale=grad_scale, found_inf=found_inf,
-    )
+    _optim_step("sgd", validate_only, locals())
 
 
 def lamb_(
@@ -259,6 +286,7 @@ def lamb_(
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
     global_grad_norm: Optional[torch.Tensor] = None,
+    validate_only: bool = False,
 ) -> None:
     """One fused LAMB step. ``global_grad_norm`` (float32, one element) is the norm of the
     unscaled gradients over every group, used for clipping to ``max_grad_norm``; when None it
@@ -266,8 +294,8 @@ def lamb_(
 
     Sharded DTensors (FSDP2) take whole-tensor norms: the global gradient norm, and between the
     op's two passes each tensor's ||w|| and ||u||, are reduced across ranks (collectives every
-    rank must join, queued on the device)."""
-    layout = shard_layout(params)
+    rank must join, queued on the device); ``validate_only`` runs no collective."""
+    layout = None if validate_only else shard_layout(params)
     if layout is not None and params and global_grad_norm is None and 0.0 < max_grad_norm < float("inf"):
         # The whole gradients' norm (multi_tensor_norm reduces the shards'); the op takes it unscaled.
         global_grad_norm = multi_tensor_norm(grads)[0].reshape(1)
@@ -275,25 +303,14 @@ def lamb_(
             global_grad_norm = global_grad_norm / grad_scale
     params, grads, exp_avgs, exp_avg_sqs, master_params = local_lists(
         "lamb_", (params, grads, exp_avgs, exp_avg_sqs, master_params))
-
-    def run(**split):
-        _ops.lamb_(
-            params, grads, exp_avgs, exp_avg_sqs, master_params, step_tensor, lr=lr,
-            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-            grad_averaging=grad_averaging, adam_w_mode=adam_w_mode, max_grad_norm=max_grad_norm,
-            use_nvlamb=use_nvlamb, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
-            global_grad_norm=global_grad_norm, **split,
-        )
-
-    if layout is None or not params:
-        run()
-        return
-    if weight_decay == 0.0 and not use_nvlamb:
-        run()  # no trust ratio: one element-wise pass
+    values = locals()
+    if layout is None or not params or (weight_decay == 0.0 and not use_nvlamb):
+        _optim_step("lamb", validate_only, values)  # unsharded, or no trust ratio: one call
         return
     local_norms = torch.empty((2, len(params)), dtype=torch.float32, device=params[0].device)
-    run(local_norms=local_norms)  # step count, moments; ||w||, ||u|| of the shards
-    run(trust_norms=reduce_shard_norms(layout, local_norms, 2.0))  # the update, with whole-tensor norms
+    _optim_step("lamb", False, dict(values, local_norms=local_norms))  # step count, moments; shards' ||w||, ||u||
+    trust_norms = reduce_shard_norms(layout, local_norms, 2.0)
+    _optim_step("lamb", False, dict(values, trust_norms=trust_norms))  # the update, with whole-tensor norms
 
 
 def adagrad_(
@@ -313,16 +330,13 @@ def adagrad_(
     lr_tensor: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    validate_only: bool = False,
 ) -> None:
     """One fused Adagrad step (torch.optim.Adagrad's lr_decay; ``adagrad_w_mode`` decays weights
     decoupled as Apex does). Shared arguments as in :func:`adam_`."""
     params, grads, state_sums, master_params = local_lists(
         "adagrad_", (params, grads, state_sums, master_params))
-    _ops.adagrad_(
-        params, grads, state_sums, master_params, step_tensor, lr=lr, eps=eps,
-        weight_decay=weight_decay, lr_decay=lr_decay, adagrad_w_mode=adagrad_w_mode, maximize=maximize, step=step,
-        lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
-    )
+    _optim_step("adagrad", validate_only, locals())
 
 
 def novograd_(
@@ -347,22 +361,20 @@ def novograd_(
     lr_tensor: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    validate_only: bool = False,
 ) -> None:
     """One fused NovoGrad step: per-tensor second moments in ``exp_avg_sq_norms`` (float32,
     ``len(params)``), from each gradient's norm (``norm_type`` 2 or inf). Shared arguments as in
     :func:`adam_`. Sharded DTensors (FSDP2) take the norms of whole gradients, reduced across
-    ranks (a collective every rank must join); ``exp_avg_sq_norms`` is then the same on every rank."""
+    ranks (a collective every rank must join; not with ``validate_only``); ``exp_avg_sq_norms`` is
+    then the same on every rank."""
     # Sharded: the whole gradients' norms (multi_tensor_norm reduces the shards') replace the op's own.
-    grad_norms = multi_tensor_norm(grads, norm_type, per_tensor=True)[1] if shard_layout(params) is not None else None
+    sharded = not validate_only and shard_layout(params) is not None
+    grad_norms = multi_tensor_norm(grads, norm_type, per_tensor=True)[1] if sharded else None
+    norm_type = float(norm_type)
     params, grads, exp_avgs, master_params = local_lists(
         "novograd_", (params, grads, exp_avgs, master_params))
-    _ops.novograd_(
-        params, grads, exp_avgs, exp_avg_sq_norms, master_params, step_tensor, lr=lr,
-        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-        grad_averaging=grad_averaging, reg_inside_moment=reg_inside_moment, norm_type=float(norm_type),
-        init_zero=init_zero, step=step, lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
-        grad_norms=grad_norms,
-    )
+    _optim_step("novograd", validate_only, locals())
 
 
 def rms_norm(input: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,

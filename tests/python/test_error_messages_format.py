@@ -140,8 +140,9 @@ def test_sgd_meta_length_message_formats_sizes(gen):
     params = [torch.empty(5, device="meta") for _ in range(3)]
     with pytest.raises(ValueError, match=r"mixprec::sgd_: grads has 2 tensors but params has 3"):
         mixprec.sgd_(params, params[:2], [], lr=0.1, step=1)
-    with pytest.raises(ValueError, match=r"mixprec::sgd_: momentum_buffers has 1 tensors but 3 are needed "
-                                         r"\(momentum 0\.5\)"):
+    # The one Meta kernel of every optimizer op checks lengths only (which lists may be empty is
+    # the impls' rule).
+    with pytest.raises(ValueError, match=r"mixprec::sgd_: momentum_buffers has 1 tensors but params has 3"):
         mixprec.sgd_(params, params, params[:1], lr=0.1, momentum=0.5, step=1)
 
 

@@ -8,8 +8,10 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include <mixprec/optim_args.h>
 
@@ -205,29 +207,56 @@ struct StepArgs {
   std::optional<at::Tensor> found_inf;
 };
 
+namespace detail {
+// The family's hyper-parameters onto a dispatcher stack, in the order of its field list (and of
+// its schema, which library.cpp builds from the same list).
+#define MIXPREC_PUSH_ARG(type, name, default_value) stack.emplace_back(a.name);
+#define MIXPREC_DEFINE_PUSH_ARGS(op, Struct, MACRO)                                 \
+  inline void push_args(std::vector<c10::IValue>& stack, const Struct##Args& a) { \
+    MIXPREC_##MACRO##_ARGS(MIXPREC_PUSH_ARG)                                        \
+  }
+MIXPREC_OPTIM_FAMILIES(MIXPREC_DEFINE_PUSH_ARGS)
+#undef MIXPREC_DEFINE_PUSH_ARGS
+#undef MIXPREC_PUSH_ARG
+
+inline c10::OperatorHandle find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// Calls optimizer op `op` (a family's step or its validate-only twin <op>_check) through the
+// dispatcher, boxed, with its arguments in schema order: the op's tensors, step_tensor, lr, the
+// hyper-parameters, the other step scalars, the op's extra tensors. One body for every family: a
+// new hyper-parameter reaches C++ callers through the Args struct alone.
+template <class Args>
+void call_optim(const c10::OperatorHandle& op, std::initializer_list<c10::IValue> tensors, const Args& a,
+                const StepArgs& s, std::initializer_list<c10::IValue> extras = {}) {
+  std::vector<c10::IValue> stack(tensors);
+  stack.reserve(op.schema().arguments().size());
+  stack.emplace_back(s.step_tensor);
+  stack.emplace_back(s.lr);
+  push_args(stack, a);
+  stack.emplace_back(s.step);
+  stack.emplace_back(s.lr_tensor);
+  stack.emplace_back(s.grad_scale);
+  stack.emplace_back(s.found_inf);
+  stack.insert(stack.end(), extras.begin(), extras.end());
+  op.callBoxed(&stack);
+}
+}  // namespace detail
+
 // amsgrad when max_exp_avg_sqs is non-empty; fp32 master weights when master_params is non-empty.
 inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                   at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a,
                   const StepArgs& s) {
-  using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                   const std::optional<at::Tensor>&, double, double, double, double, double, bool, bool, bool, int64_t,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&);
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::adam_", "").typed<Sig>();
-  op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, s.step_tensor, s.lr, a.beta1, a.beta2,
-          a.eps, a.weight_decay, a.adam_w_mode, a.bias_correction, a.maximize, s.step, s.lr_tensor, s.grad_scale,
-          s.found_inf);
+  static const c10::OperatorHandle op = detail::find_op("mixprec::adam_");
+  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params}, a, s);
 }
 
 // momentum_buffers is empty iff momentum == 0.
 inline void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                  at::TensorList master_params, const SgdArgs& a, const StepArgs& s) {
-  using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const std::optional<at::Tensor>&,
-                   double, double, double, double, bool, bool, bool, int64_t, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::sgd_", "").typed<Sig>();
-  op.call(params, grads, momentum_buffers, master_params, s.step_tensor, s.lr, a.momentum, a.dampening,
-          a.weight_decay, a.nesterov, a.wd_after_momentum, a.maximize, s.step, s.lr_tensor, s.grad_scale, s.found_inf);
+  static const c10::OperatorHandle op = detail::find_op("mixprec::sgd_");
+  detail::call_optim(op, {params, grads, momentum_buffers, master_params}, a, s);
 }
 
 // global_grad_norm: the unscaled gradient norm over every group (computed from grads when absent).
@@ -238,25 +267,15 @@ inline void lamb_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   const std::optional<at::Tensor>& global_grad_norm = std::nullopt,
                   const std::optional<at::Tensor>& local_norms = std::nullopt,
                   const std::optional<at::Tensor>& trust_norms = std::nullopt) {
-  using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                   const std::optional<at::Tensor>&, double, double, double, double, double, bool, bool, bool, double,
-                   bool, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::lamb_", "").typed<Sig>();
-  op.call(params, grads, exp_avgs, exp_avg_sqs, master_params, s.step_tensor, s.lr, a.beta1, a.beta2, a.eps,
-          a.weight_decay, a.bias_correction, a.grad_averaging, a.adam_w_mode, a.max_grad_norm, a.use_nvlamb, s.step,
-          s.lr_tensor, s.grad_scale, s.found_inf, global_grad_norm, local_norms, trust_norms);
+  static const c10::OperatorHandle op = detail::find_op("mixprec::lamb_");
+  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sqs, master_params}, a, s,
+                     {global_grad_norm, local_norms, trust_norms});
 }
 
 inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                      at::TensorList master_params, const AdagradArgs& a, const StepArgs& s) {
-  using Sig = void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, const std::optional<at::Tensor>&,
-                   double, double, double, double, bool, bool, int64_t, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::adagrad_", "").typed<Sig>();
-  op.call(params, grads, state_sums, master_params, s.step_tensor, s.lr, a.eps, a.weight_decay, a.lr_decay,
-          a.adagrad_w_mode, a.maximize, s.step, s.lr_tensor, s.grad_scale, s.found_inf);
+  static const c10::OperatorHandle op = detail::find_op("mixprec::adagrad_");
+  detail::call_optim(op, {params, grads, state_sums, master_params}, a, s);
 }
 
 // exp_avg_sq_norms: float32 [len(params)], the per-tensor second moments. grad_norms (float32
@@ -264,14 +283,9 @@ inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList
 inline void novograd_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                       const at::Tensor& exp_avg_sq_norms, at::TensorList master_params, const NovoGradArgs& a,
                       const StepArgs& s, const std::optional<at::Tensor>& grad_norms = std::nullopt) {
-  using Sig = void(at::TensorList, at::TensorList, at::TensorList, const at::Tensor&, at::TensorList,
-                   const std::optional<at::Tensor>&, double, double, double, double, double, bool, bool, bool, double,
-                   bool, int64_t, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::novograd_", "").typed<Sig>();
-  op.call(params, grads, exp_avgs, exp_avg_sq_norms, master_params, s.step_tensor, s.lr, a.beta1, a.beta2, a.eps,
-          a.weight_decay, a.bias_correction, a.grad_averaging, a.reg_inside_moment, a.norm_type, a.init_zero, s.step,
-          s.lr_tensor, s.grad_scale, s.found_inf, grad_norms);
+  static const c10::OperatorHandle op = detail::find_op("mixprec::novograd_");
+  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sq_norms, master_params}, a, s,
+                     {grad_norms});
 }
 
 }  // namespace mixprec

@@ -5,7 +5,8 @@
 //
 // A field list is an X-macro: X(type, name, default) for every hyper-parameter, in schema order.
 // type is double, bool or int64_t (schema "float", "bool", "int"); default is a C++ literal.
-// Adding a hyper-parameter to a family = one X(...) line here plus its math in kernels/<family>.h.
+// Adding a hyper-parameter to a family = one X(...) line here plus its math in kernels/<family>.h
+// (the kernels' parameter blocks hold these structs).
 #pragma once
 
 #include <cstdint>
@@ -56,6 +57,40 @@
   X(bool, reg_inside_moment, false)   \
   X(double, norm_type, 2.0)           \
   X(bool, init_zero, false)
+
+// The rest of each op's declaration. Its tensors before the keyword arguments, in schema order:
+// X(kind, name, alias), kind LIST (Tensor[]) or TENSOR, alias the schema's annotation (each is
+// updated in place, grads too: they receive the unscaled gradient). After them every op takes the
+// same step scalars (step_tensor; then keyword-only lr, the family's field list, step, lr_tensor,
+// grad_scale, found_inf; mixprec::StepArgs in mixprec/ops.h), then its optional extra tensors:
+// X(name, alias), alias "" for one only read.
+#define MIXPREC_ADAM_TENSORS(X)                                                               \
+  X(LIST, params, "a!") X(LIST, grads, "g!") X(LIST, exp_avgs, "b!") X(LIST, exp_avg_sqs, "c!") \
+  X(LIST, max_exp_avg_sqs, "d!") X(LIST, master_params, "e!")
+#define MIXPREC_ADAM_EXTRAS(X)
+
+#define MIXPREC_SGD_TENSORS(X) \
+  X(LIST, params, "a!") X(LIST, grads, "g!") X(LIST, momentum_buffers, "b!") X(LIST, master_params, "e!")
+#define MIXPREC_SGD_EXTRAS(X)
+
+#define MIXPREC_LAMB_TENSORS(X)                                                               \
+  X(LIST, params, "a!") X(LIST, grads, "h!") X(LIST, exp_avgs, "b!") X(LIST, exp_avg_sqs, "c!") \
+  X(LIST, master_params, "e!")
+#define MIXPREC_LAMB_EXTRAS(X) X(global_grad_norm, "") X(local_norms, "g!") X(trust_norms, "")
+
+#define MIXPREC_ADAGRAD_TENSORS(X) \
+  X(LIST, params, "a!") X(LIST, grads, "g!") X(LIST, state_sums, "b!") X(LIST, master_params, "e!")
+#define MIXPREC_ADAGRAD_EXTRAS(X)
+
+#define MIXPREC_NOVOGRAD_TENSORS(X)                                                           \
+  X(LIST, params, "a!") X(LIST, grads, "g!") X(LIST, exp_avgs, "b!") X(TENSOR, exp_avg_sq_norms, "c!") \
+  X(LIST, master_params, "e!")
+#define MIXPREC_NOVOGRAD_EXTRAS(X) X(grad_norms, "")
+
+// Every family: F(op, Struct, MACRO): the op is mixprec::<op>_ (its validate-only twin
+// mixprec::<op>_check), its hyper-parameters Struct##Args from MIXPREC_<MACRO>_ARGS.
+#define MIXPREC_OPTIM_FAMILIES(F) \
+  F(adam, Adam, ADAM) F(sgd, Sgd, SGD) F(lamb, Lamb, LAMB) F(adagrad, Adagrad, ADAGRAD) F(novograd, NovoGrad, NOVOGRAD)
 // clang-format on
 
 #define MIXPREC_ARGS_FIELD(type, name, default_value) type name = default_value;

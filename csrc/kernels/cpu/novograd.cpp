@@ -43,9 +43,10 @@ MIXPREC_CPU_CLONES void novograd_chunk(const NovoGradParams& p, const NovoGradCo
 void novograd_moment_cpu(const NovoGradMomentParams& p) {
   if (step_skipped(p.scalars)) return;
   const float inv_scale = grad_inv_scale(p.scalars);
-  const bool seed = novograd_seeds(p.scalars, p.init_zero);
+  const bool seed = novograd_seeds(p.scalars, p.args.init_zero);
+  const float beta2 = static_cast<float>(p.args.beta2);
   for (int64_t i = 0; i < p.num_tensors; ++i)
-    p.exp_avg_sq_norms[i] = novograd_moment(p.type, p.exp_avg_sq_norms[i], p.grad_norms[i] * inv_scale, p.beta2, seed);
+    p.exp_avg_sq_norms[i] = novograd_moment(p.type, p.exp_avg_sq_norms[i], p.grad_norms[i] * inv_scale, beta2, seed);
 }
 
 void novograd_cpu(const NovoGradParams& p, int64_t chunk_begin, int64_t chunk_end) {
