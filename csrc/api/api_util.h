@@ -88,18 +88,4 @@ inline void check_betas(const std::string& where, const std::tuple<double, doubl
                     num(b2), "); each must be in [0, 1)");
 }
 
-inline void write_betas(torch::serialize::OutputArchive& archive, const std::tuple<double, double>& betas) {
-  archive.write("beta1", c10::IValue(std::get<0>(betas)));
-  archive.write("beta2", c10::IValue(std::get<1>(betas)));
-}
-
-inline std::tuple<double, double> read_betas(torch::serialize::InputArchive& archive, const std::string& where) {
-  return std::make_tuple(read_double(archive, "beta1", where), read_double(archive, "beta2", where));
-}
-
 }  // namespace mixprec::detail::api
-
-// Inside an options class's inherit_unset(defaults d, fresh): a field still at its constructor
-// default takes the optimizer's default (torch::optim's rule since torch 2.10).
-#define MIXPREC_INHERIT_UNSET(field) \
-  if (field##_ == fresh.field##_) field##_ = d.field##_

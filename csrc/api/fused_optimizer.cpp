@@ -139,6 +139,17 @@ GradScaling FusedOptimizer::scaling_on(const at::Device& device) const {
   return {on_device(scaling_.grad_scale), on_device(scaling_.found_inf)};
 }
 
+std::vector<at::Tensor> FusedOptimizer::grads_of(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  out.reserve(params.size());
+  for (const auto& p : params) out.push_back(p.grad());
+  return out;
+}
+
+at::Tensor FusedOptimizer::state_zeros(const at::Tensor& p, at::ScalarType dtype) {
+  return at::zeros_like(p, at::TensorOptions().dtype(dtype), at::MemoryFormat::Preserve);
+}
+
 std::vector<at::Tensor> FusedOptimizer::masters(const std::vector<at::Tensor>& params, const FusedOptions& options) {
   std::vector<at::Tensor> out;
   if (!options.uses_master_weights()) return out;
