@@ -2,6 +2,7 @@
 // naming the checkpoint field (a corrupt checkpoint never loads half-way), and hyper-parameter checks.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
@@ -75,6 +76,20 @@ inline std::string param_where(const std::string& name, size_t group, size_t ind
 // The same for one of that parameter's state tensors: "... params[i] state['key']".
 inline std::string state_where(const std::string& name, size_t group, size_t index, const std::string& key) {
   return param_where(name, group, index) + " state['" + key + "']";
+}
+
+// Whether `t` lays out its elements as `like` (same sizes) does: equal strides in every dimension
+// of size > 1 (a size-1 dimension's stride is never used). With a dense `like`, `t` is dense too.
+inline bool same_layout(const at::Tensor& t, const at::Tensor& like) {
+  for (int64_t d = 0; d < like.dim(); ++d)
+    if (like.size(d) > 1 && t.stride(d) != like.stride(d)) return false;
+  return true;
+}
+
+// A copy of `t` (same dtype) on `like`'s device and in `like`'s layout, never sharing memory with
+// `t`: state tensors follow their parameter's memory format (channels_last stays channels_last).
+inline at::Tensor copy_in_layout_of(const at::Tensor& t, const at::Tensor& like) {
+  return at::empty_like(like, like.options().dtype(t.scalar_type())).copy_(t);
 }
 
 // Hyper-parameter checks with the Python front's rules; errors name `where` and the field.

@@ -84,9 +84,10 @@ struct GradScaling {
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   // Runs `closure` (with grad enabled) if given, then one fused op per param group over the
-  // params that have a gradient. Nothing here waits on the device. Every group's options, grads
-  // (dense, contiguous, float32/16/bf16, the param's shape and device) and state tensors are
-  // checked before any group steps: a refused step changes no param, state or step count.
+  // params that have a gradient. Nothing here waits on the device. Every group's options, params
+  // (any dense layout: contiguous, channels_last, any permutation of dimensions), grads (dense,
+  // float32/16/bf16, the param's shape, layout and device) and state tensors are checked before
+  // any group steps: a refused step changes no param, state or step count.
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   // Adds a group; fields of its options left at their constructor defaults come from the
@@ -108,7 +109,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // An independent copy bound to `params` (one per parameter of this optimizer, in group order,
   // each of the dtype and shape of the one it replaces; any device): the same groups and options,
   // deep copies of every state tensor (moments, masters) and step count, moved to the new
-  // params' devices. torch::optim has no clone; this is what copying an optimizer means here.
+  // params' devices and laid out as the new params are. torch::optim has no clone; this is what copying an optimizer means here.
   // The loss-scaling hand-off (set_grad_scaling) is not copied. Each family's clone() returns its
   // own type (see MIXPREC_FUSED_OPTIMIZER_CLASS).
   std::unique_ptr<FusedOptimizer> clone_base(const std::vector<at::Tensor>& params) const;
