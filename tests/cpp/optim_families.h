@@ -3,11 +3,14 @@
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <gtest/gtest.h>
 #include <mixprec/mixprec.h>
 
 #include <functional>
 #include <memory>
 #include <vector>
+
+#include "test_support.h"
 
 namespace mixprec::test::api {
 
@@ -48,5 +51,18 @@ inline bool has_kernel(const char* op, c10::DeviceType device) {
   return handle && handle->hasKernelForDispatchKey(device == c10::kCUDA ? c10::DispatchKey::CUDA
                                                                          : c10::DispatchKey::CPU);
 }
+
+// A DeviceTest whose for_each_family(check) runs `check` for every family that has a kernel on
+// the test's device.
+class FamiliesTest : public DeviceTest {
+ protected:
+  void for_each_family(const std::function<void(const Family&)>& check) {
+    for (const Family& f : families()) {
+      if (!has_kernel(f.op, GetParam())) continue;
+      SCOPED_TRACE(f.op);
+      check(f);
+    }
+  }
+};
 
 }  // namespace mixprec::test::api

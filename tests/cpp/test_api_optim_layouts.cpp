@@ -96,16 +96,7 @@ std::vector<at::Tensor> params_of(const FusedOptimizer& opt) {
   return ps;
 }
 
-class ApiOptimLayouts : public DeviceTest {
- protected:
-  void for_each_family(const std::function<void(const Family&)>& check) {
-    for (const Family& f : families()) {
-      if (!has_kernel(f.op, GetParam())) continue;
-      SCOPED_TRACE(f.op);
-      check(f);
-    }
-  }
-};
+class ApiOptimLayouts : public FamiliesTest {};
 MIXPREC_INSTANTIATE_DEVICE_TESTS(ApiOptimLayouts);
 
 TEST_P(ApiOptimLayouts, DenseLayoutsStepBitwiseLikeContiguousCopiesWithStateInTheirLayout) {

@@ -53,17 +53,7 @@ struct TwoGroups {
   }
 };
 
-class ApiOptimMisuse : public DeviceTest {
- protected:
-  // Runs `check` for every family that has a kernel on this device.
-  void for_each_family(const std::function<void(const Family&)>& check) {
-    for (const Family& f : families()) {
-      if (!has_kernel(f.op, GetParam())) continue;
-      SCOPED_TRACE(f.op);
-      check(f);
-    }
-  }
-};
+class ApiOptimMisuse : public FamiliesTest {};
 MIXPREC_INSTANTIATE_DEVICE_TESTS(ApiOptimMisuse);
 
 TEST_P(ApiOptimMisuse, AStepRefusedForAnyGroupChangesNoGroup) {
