@@ -24,7 +24,7 @@ void FusedAdamOptions::check(const std::string& where) const {
   check_betas(where, betas());
   check_finite_nonneg(where, "weight_decay", weight_decay());
   TORCH_CHECK_VALUE(state_dtype() == c10::kFloat || state_dtype() == c10::kBFloat16, where,
-                    ": state_dtype must be float32 or bfloat16, got ", state_dtype());
+                    ": state_dtype must be float32 or bfloat16, got ", c10::toString(state_dtype()));
 }
 
 // ---- optimizer ---------------------------------------------------------------------------------

@@ -46,10 +46,10 @@ class FusedCloneableParamState : public FusedParamState {
   }
 };
 
-// A family's state class `Name` from the X-macro list TENSORS of its state tensors, X(name): an
+// A family's state class `Name` from the X-macro list TENSORS of its state tensors, X(key): an
 // accessor pair each (s.exp_avg(), s.exp_avg(t)), and slots() under their own names.
-#define MIXPREC_STATE_TENSOR(name) TORCH_ARG(at::Tensor, name);
-#define MIXPREC_STATE_SLOT(name) {#name, &name##_},
+#define MIXPREC_STATE_TENSOR(key) TORCH_ARG(at::Tensor, key);
+#define MIXPREC_STATE_SLOT(key) {#key, &key##_},
 #define MIXPREC_FUSED_PARAM_STATE(Name, TENSORS)                                   \
   struct Name : public FusedCloneableParamState<Name> {                            \
     TENSORS(MIXPREC_STATE_TENSOR)                                                  \

@@ -86,10 +86,10 @@ class FusedOptionsFor : public FusedOptions,
 }  // namespace mixprec::optim
 
 // One field: TORCH_ARG's accessors (o.eps(1e-6) sets and chains, o.eps() reads) with its default.
-#define MIXPREC_OPTIONS_ACCESSORS(type, name, default_value) TORCH_ARG(type, name) = default_value;
+#define MIXPREC_OPTIONS_ACCESSORS(type, field, default_value) TORCH_ARG(type, field) = default_value;
 // for_each_field's visit of one field: its checkpoint key, its member, and the op's member or null.
-#define MIXPREC_OPTIONS_VISIT_ARG(type, name, default_value) f(#name, &Self::name##_, &args_type::name);
-#define MIXPREC_OPTIONS_VISIT_OWN(type, name, default_value) f(#name, &Self::name##_, nullptr);
+#define MIXPREC_OPTIONS_VISIT_ARG(type, field, default_value) f(#field, &Self::field##_, &args_type::field);
+#define MIXPREC_OPTIONS_VISIT_OWN(type, field, default_value) f(#field, &Self::field##_, nullptr);
 
 // In the body of a family's options class `Self` (derived from FusedOptionsFor<Self, Args>): the
 // fields of the op's list ARGS and of the option-only list OWN (X-macros of X(type, name,
