@@ -2,6 +2,7 @@
 // naming the checkpoint field (a corrupt checkpoint never loads half-way), and hyper-parameter checks.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 #include <torch/serialize/archive.h>
@@ -77,6 +78,20 @@ inline std::string state_where(const std::string& name, size_t group, size_t ind
   return param_where(name, group, index) + " state['" + key + "']";
 }
 
+// Whether `t` lays out its elements as `like` (same sizes) does: equal strides in every dimension
+// of size > 1 (a size-1 dimension's stride is never used). With a dense `like`, `t` is dense too.
+inline bool same_layout(const at::Tensor& t, const at::Tensor& like) {
+  for (int64_t d = 0; d < like.dim(); ++d)
+    if (like.size(d) > 1 && t.stride(d) != like.stride(d)) return false;
+  return true;
+}
+
+// A copy of `t` (same dtype) on `like`'s device and in `like`'s layout, never sharing memory with
+// `t`: state tensors follow their parameter's memory format (channels_last stays channels_last).
+inline at::Tensor copy_in_layout_of(const at::Tensor& t, const at::Tensor& like) {
+  return at::empty_like(like, like.options().dtype(t.scalar_type())).copy_(t);
+}
+
 // Hyper-parameter checks with the Python front's rules; errors name `where` and the field.
 inline void check_finite_nonneg(const std::string& where, const char* name, double v) {
   TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0, where, ": invalid ", name, " ", num(v), "; it must be finite and >= 0");
@@ -88,18 +103,4 @@ inline void check_betas(const std::string& where, const std::tuple<double, doubl
                     num(b2), "); each must be in [0, 1)");
 }
 
-inline void write_betas(torch::serialize::OutputArchive& archive, const std::tuple<double, double>& betas) {
-  archive.write("beta1", c10::IValue(std::get<0>(betas)));
-  archive.write("beta2", c10::IValue(std::get<1>(betas)));
-}
-
-inline std::tuple<double, double> read_betas(torch::serialize::InputArchive& archive, const std::string& where) {
-  return std::make_tuple(read_double(archive, "beta1", where), read_double(archive, "beta2", where));
-}
-
 }  // namespace mixprec::detail::api
-
-// Inside an options class's inherit_unset(defaults d, fresh): a field still at its constructor
-// default takes the optimizer's default (torch::optim's rule since torch 2.10).
-#define MIXPREC_INHERIT_UNSET(field) \
-  if (field##_ == fresh.field##_) field##_ = d.field##_

@@ -14,6 +14,7 @@ namespace mixprec::optim {
 
 using detail::api::group_where;
 using detail::api::param_where;
+using detail::api::same_layout;
 using detail::api::state_where;
 
 // ---- FusedParamState ------------------------------------------------------------------------
@@ -139,6 +140,17 @@ GradScaling FusedOptimizer::scaling_on(const at::Device& device) const {
   return {on_device(scaling_.grad_scale), on_device(scaling_.found_inf)};
 }
 
+std::vector<at::Tensor> FusedOptimizer::grads_of(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> out;
+  out.reserve(params.size());
+  for (const auto& p : params) out.push_back(p.grad());
+  return out;
+}
+
+at::Tensor FusedOptimizer::state_zeros(const at::Tensor& p, at::ScalarType dtype) {
+  return at::zeros_like(p, at::TensorOptions().dtype(dtype), at::MemoryFormat::Preserve);
+}
+
 std::vector<at::Tensor> FusedOptimizer::masters(const std::vector<at::Tensor>& params, const FusedOptions& options) {
   std::vector<at::Tensor> out;
   if (!options.uses_master_weights()) return out;
@@ -178,14 +190,13 @@ void FusedOptimizer::set_master(const at::Tensor& param, const at::Tensor& maste
                    master.scalar_type());
   TORCH_CHECK_VALUE(master.sizes() == param.sizes(), name_, ".set_master: the master has shape ",
                     detail::shape(master.sizes()), " but the parameter has ", detail::shape(param.sizes()));
-  state_of(param).master_param(
-      master.detach().to(param.device(), at::kFloat, false, /*copy=*/true, at::MemoryFormat::Contiguous));
+  state_of(param).master_param(detail::api::copy_in_layout_of(master.detach(), param));
 }
 
 void FusedOptimizer::ensure_state(const at::Tensor& p, const FusedOptions& options) {
   FusedParamState& s = state_of(p);
   if (options.uses_master_weights() && p.scalar_type() != at::kFloat && !s.master_param().defined())
-    s.master_param(p.detach().to(at::kFloat, false, /*copy=*/true, at::MemoryFormat::Contiguous));
+    s.master_param(p.detach().to(at::kFloat, false, /*copy=*/true, at::MemoryFormat::Preserve));
   init_param_state(p, options, s);
 }
 
@@ -209,16 +220,19 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
     const at::Tensor& g = p.grad();
     TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
                      "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(p.is_contiguous(), param_where(name_, index, j),
-                      " is not contiguous; expected a contiguous parameter");
+    TORCH_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
+                      detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
+                      ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "
+                      "any permutation of dimensions)");
     TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), param_where(name_, index, j), ".grad has dtype ", g.scalar_type(),
                      "; expected float32, float16 or bfloat16");
     TORCH_CHECK_VALUE(g.device() == p.device(), param_where(name_, index, j), ".grad is on ", g.device().str(),
                       "; expected the parameter's ", p.device().str());
     TORCH_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ",
                       detail::shape(g.sizes()), "; expected the parameter's ", detail::shape(p.sizes()));
-    TORCH_CHECK_VALUE(g.is_contiguous(), param_where(name_, index, j),
-                      ".grad is not contiguous; expected a contiguous gradient");
+    TORCH_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ",
+                      detail::shape(g.strides()), "; expected the parameter's layout, strides ",
+                      detail::shape(p.strides()), " (as autograd lays out gradients)");
     const auto it = state_.find(p.unsafeGetTensorImpl());
     auto* s = it == state_.end() ? nullptr : dynamic_cast<FusedParamState*>(it->second.get());
     if (s == nullptr) continue;
@@ -232,8 +246,9 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
       }
       TORCH_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ",
                         t.device().str(), "; expected the parameter's ", p.device().str());
-      TORCH_CHECK_VALUE(t.is_contiguous(), state_where(name_, index, j, slot.first),
-                        " is not contiguous; expected a contiguous state tensor");
+      TORCH_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
+                        detail::shape(t.strides()), "; expected the parameter's layout, strides ",
+                        detail::shape(p.strides()));
     }
   }
 }

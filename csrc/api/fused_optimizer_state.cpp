@@ -175,7 +175,7 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
         if (!t.defined()) continue;
         any = true;
         const std::string sw = where + ": state[" + std::to_string(k) + "]['" + slot.first + "']";
-        t = checked_slot(sw, slot.first, t, p, o).to(p.device()).contiguous();
+        t = copy_in_layout_of(checked_slot(sw, slot.first, t, p, o), p);
       }
       TORCH_CHECK_VALUE(!any || !o.uses_master_weights() || p.scalar_type() == at::kFloat ||
                             s->master_param().defined(),
@@ -238,7 +238,7 @@ std::unique_ptr<FusedOptimizer> FusedOptimizer::clone_base(const std::vector<at:
       const auto from = s->slots();  // same class, so the same slots in the same order
       const auto to = c->slots();
       for (size_t j = 0; j < from.size(); ++j)
-        if (from[j].second->defined()) *to[j].second = copy_to(*from[j].second, q.device());
+        if (from[j].second->defined()) *to[j].second = detail::api::copy_in_layout_of(*from[j].second, q);
       out->state_[q.unsafeGetTensorImpl()] = std::move(c);
     }
   }

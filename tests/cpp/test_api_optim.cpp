@@ -450,10 +450,11 @@ TEST_P(ApiAdam, UnsupportedGradientsAreRefusedNamingTheOp) {
   auto ps = make_params({{4}, {3}}, at::kFloat, device());
   FusedAdam opt(ps, FusedAdamOptions(1e-3));
   ps[0].mutable_grad() = random_tensor({4}, at::kFloat, device());
-  ps[1].mutable_grad() = random_tensor({6}, at::kFloat, device()).slice(0, 0, 6, 2);  // non-contiguous
+  ps[1].mutable_grad() = random_tensor({6}, at::kFloat, device()).slice(0, 0, 6, 2);  // gapped
   const auto before = clone_all({ps[0].detach(), ps[1].detach()});
   // Refused by the optimizer before any op runs (the op would refuse it too, but one group at a time).
-  expect_c10_error([&] { opt.step(); }, {"FusedAdam: param_groups[0]: params[1].grad is not contiguous"});
+  expect_c10_error([&] { opt.step(); }, {"FusedAdam: param_groups[0]: params[1].grad has strides [2]; expected the "
+                                         "parameter's layout, strides [1]"});
   expect_unchanged({ps[0].detach(), ps[1].detach()}, before, "params");
   ps[1].mutable_grad() = at::zeros({3}, opts()).to_sparse();
   expect_c10_error([&] { opt.step(); }, {"sparse"});

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "api_support.h"
+#include "optim_families.h"
 #include "test_support.h"
 
 namespace {
@@ -17,42 +18,6 @@ namespace {
 using namespace mixprec::test;
 using namespace mixprec::test::api;
 using namespace mixprec::optim;
-using Groups = std::vector<torch::optim::OptimizerParamGroup>;
-
-struct Family {
-  const char* op;  // the family's op, for skipping where it has no kernel
-  std::function<std::unique_ptr<FusedOptimizer>(const Groups&)> make;
-};
-
-// Every family with master weights on (so fp16 params carry fp32 masters) and state from step 1.
-std::vector<Family> families() {
-  return {
-      {"mixprec::sgd_", [](const Groups& g) {
-         return std::make_unique<FusedSGD>(g, FusedSGDOptions(0.05).momentum(0.9).master_weights(true));
-       }},
-      {"mixprec::adam_", [](const Groups& g) {
-         return std::make_unique<FusedAdam>(g, FusedAdamOptions(1e-3).master_weights(true));
-       }},
-      {"mixprec::adam_", [](const Groups& g) {
-         return std::make_unique<FusedAdamW>(g, FusedAdamWOptions(1e-3).master_weights(true));
-       }},
-      {"mixprec::adagrad_", [](const Groups& g) {
-         return std::make_unique<FusedAdagrad>(g, FusedAdagradOptions(0.05).master_weights(true));
-       }},
-      {"mixprec::lamb_", [](const Groups& g) {
-         return std::make_unique<FusedLAMB>(g, FusedLAMBOptions(0.01).master_weights(true));
-       }},
-      {"mixprec::novograd_", [](const Groups& g) {
-         return std::make_unique<FusedNovoGrad>(g, FusedNovoGradOptions(0.01).master_weights(true));
-       }},
-  };
-}
-
-bool has_kernel(const char* op, c10::DeviceType device) {
-  const auto handle = c10::Dispatcher::singleton().findSchema({op, ""});
-  return handle && handle->hasKernelForDispatchKey(device == c10::kCUDA ? c10::DispatchKey::CUDA
-                                                                         : c10::DispatchKey::CPU);
-}
 
 // Group 0: fp32 params; group 1: fp16 params with fp32 masters; a chunk-straddling size in each.
 struct TwoGroups {
@@ -88,17 +53,7 @@ struct TwoGroups {
   }
 };
 
-class ApiOptimMisuse : public DeviceTest {
- protected:
-  // Runs `check` for every family that has a kernel on this device.
-  void for_each_family(const std::function<void(const Family&)>& check) {
-    for (const Family& f : families()) {
-      if (!has_kernel(f.op, GetParam())) continue;
-      SCOPED_TRACE(f.op);
-      check(f);
-    }
-  }
-};
+class ApiOptimMisuse : public FamiliesTest {};
 MIXPREC_INSTANTIATE_DEVICE_TESTS(ApiOptimMisuse);
 
 TEST_P(ApiOptimMisuse, AStepRefusedForAnyGroupChangesNoGroup) {
@@ -114,7 +69,9 @@ TEST_P(ApiOptimMisuse, AStepRefusedForAnyGroupChangesNoGroup) {
       {"grad shape", [dev](TwoGroups& s) { s.g1[1].mutable_grad() = torch::zeros({12}, at::TensorOptions(at::kHalf).device(dev)); },
        {"param_groups[1]: params[1].grad has shape [12]", "expected the parameter's [3, 4]"}},
       {"grad layout", [dev](TwoGroups& s) { s.g1[1].mutable_grad() = torch::zeros({4, 3}, at::TensorOptions(at::kHalf).device(dev)).t(); },
-       {"param_groups[1]: params[1].grad is not contiguous"}},
+       {"param_groups[1]: params[1].grad has strides [1, 3]; expected the parameter's layout, strides [4, 1]"}},
+      {"state layout", [](TwoGroups& s) { *s.slot(s.g1[1]) = s.slot(s.g1[1])->t().contiguous().t(); },
+       {"param_groups[1]: params[1] state['", "has strides [1, 3]; expected the parameter's layout"}},
       {"grad dtype", [](TwoGroups& s) { s.g1[0].mutable_grad() = s.g1[0].grad().to(at::kDouble); },
        {"param_groups[1]: params[0].grad has dtype", "expected float32, float16 or bfloat16"}},
       {"state dtype", [](TwoGroups& s) { *s.slot(s.g1[0]) = s.slot(s.g1[0])->to(at::kDouble); },

@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -45,6 +46,20 @@ class FusedCloneableParamState : public FusedParamState {
   }
 };
 
+// A family's state class `Name` from the X-macro list TENSORS of its state tensors, X(key): an
+// accessor pair each (s.exp_avg(), s.exp_avg(t)), and slots() under their own names.
+#define MIXPREC_STATE_TENSOR(key) TORCH_ARG(at::Tensor, key);
+#define MIXPREC_STATE_SLOT(key) {#key, &key##_},
+#define MIXPREC_FUSED_PARAM_STATE(Name, TENSORS)                                   \
+  struct Name : public FusedCloneableParamState<Name> {                            \
+    TENSORS(MIXPREC_STATE_TENSOR)                                                  \
+                                                                                   \
+   public:                                                                         \
+    std::vector<Slot> slots() override {                                           \
+      return {{"master_param", &master_param()}, TENSORS(MIXPREC_STATE_SLOT)};     \
+    }                                                                              \
+  }
+
 // What the base needs from every family's options class (FusedAdamOptions, ...): the learning
 // rate (get_lr/set_lr, so torch::optim's LR schedulers work), master weights, validation and
 // serialization. Options are per param group, as in torch::optim.
@@ -69,9 +84,10 @@ struct GradScaling {
 class FusedOptimizer : public torch::optim::Optimizer {
  public:
   // Runs `closure` (with grad enabled) if given, then one fused op per param group over the
-  // params that have a gradient. Nothing here waits on the device. Every group's options, grads
-  // (dense, contiguous, float32/16/bf16, the param's shape and device) and state tensors are
-  // checked before any group steps: a refused step changes no param, state or step count.
+  // params that have a gradient. Nothing here waits on the device. Every group's options, params
+  // (any dense layout: contiguous, channels_last, any permutation of dimensions), grads (dense,
+  // float32/16/bf16, the param's shape, layout and device) and state tensors are checked before
+  // any group steps: a refused step changes no param, state or step count.
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   // Adds a group; fields of its options left at their constructor defaults come from the
@@ -93,9 +109,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // An independent copy bound to `params` (one per parameter of this optimizer, in group order,
   // each of the dtype and shape of the one it replaces; any device): the same groups and options,
   // deep copies of every state tensor (moments, masters) and step count, moved to the new
-  // params' devices. torch::optim has no clone; this is what copying an optimizer means here.
+  // params' devices and laid out as the new params are. torch::optim has no clone; this is what copying an optimizer means here.
   // The loss-scaling hand-off (set_grad_scaling) is not copied. Each family's clone() returns its
-  // own type (see MIXPREC_FUSED_OPTIMIZER_CLONE).
+  // own type (see MIXPREC_FUSED_OPTIMIZER_CLASS).
   std::unique_ptr<FusedOptimizer> clone_base(const std::vector<at::Tensor>& params) const;
 
   // "mixprec::optim::FusedAdam" etc., the prefix of every error message.
@@ -161,6 +177,11 @@ class FusedOptimizer : public torch::optim::Optimizer {
   State& state_as(const at::Tensor& p) {
     return static_cast<State&>(state_of(p));
   }
+  // The grads of `params`, for the op.
+  static std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params);
+  // A new state tensor of `p`: zeros of `dtype` in p's layout (channels_last stays channels_last:
+  // the op walks each entry's tensors in one storage order).
+  static at::Tensor state_zeros(const at::Tensor& p, at::ScalarType dtype = at::kFloat);
   // The masters of `params` for the op: [] without master weights, else one fp32 tensor each.
   std::vector<at::Tensor> masters(const std::vector<at::Tensor>& params, const FusedOptions& options);
   // Group tensors beside the step count ("exp_avg_sq" for NovoGrad), created by families.
@@ -186,12 +207,47 @@ class FusedOptimizer : public torch::optim::Optimizer {
   mutable std::vector<std::map<std::string, at::Tensor>> group_tensors_;
 };
 
+// What a family's optimizer class shares with every other: its options and state classes, and
+// the lists of state tensors its op takes.
+template <class Options, class State>
+class FusedOptimizerOf : public FusedOptimizer {
+ protected:
+  using FusedOptimizer::FusedOptimizer;
+
+  std::unique_ptr<FusedParamState> make_state() const override { return std::make_unique<State>(); }
+  std::unique_ptr<FusedOptions> make_options() const override {
+    if constexpr (std::is_default_constructible_v<Options>) {
+      return std::make_unique<Options>();
+    } else {
+      return std::make_unique<Options>(0.0);  // an lr without default (SGD's) is never inherited
+    }
+  }
+  const FusedOptions* cast_options(const torch::optim::OptimizerOptions& o) const override {
+    return dynamic_cast<const Options*>(&o);
+  }
+  static const Options& options_as(const FusedOptions& o) { return static_cast<const Options&>(o); }
+  // get(state) of every param, in order: the op's list of one state tensor.
+  template <class Get>
+  std::vector<at::Tensor> gather(const std::vector<at::Tensor>& params, Get get) {
+    std::vector<at::Tensor> out;
+    out.reserve(params.size());
+    for (const auto& p : params) out.push_back(get(state_as<State>(p)));
+    return out;
+  }
+};
+
 }  // namespace mixprec::optim
 
-// In a family's class body: clone(params) returning the family's own type, and the factory that
-// FusedOptimizer::clone_base calls (a new `Family` with this one's defaults, of class `Options`).
-#define MIXPREC_FUSED_OPTIMIZER_CLONE(Family, Options)                                                      \
+// In a family's class body: its public constructors, over param groups or one list of params,
+// with `Options` defaults (their default argument, e.g. `= {}`, as the optional last macro
+// argument); clone(params) returning the family's own type, and the factory that
+// FusedOptimizer::clone_base calls (a new `Family` with this one's defaults).
+#define MIXPREC_FUSED_OPTIMIZER_CLASS(Family, Options, ...)                                                 \
  public:                                                                                                   \
+  explicit Family(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,                      \
+                  Options defaults __VA_ARGS__);                                                           \
+  explicit Family(std::vector<at::Tensor> params, Options defaults __VA_ARGS__)                            \
+      : Family({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}             \
   std::unique_ptr<Family> clone(const std::vector<at::Tensor>& params) const {                             \
     return std::unique_ptr<Family>(static_cast<Family*>(clone_base(params).release()));                    \
   }                                                                                                        \
@@ -201,3 +257,10 @@ class FusedOptimizer : public torch::optim::Optimizer {
       const override {                                                                                     \
     return std::make_unique<Family>(groups, static_cast<const Options&>(*defaults_));                     \
   }
+
+// In a family's class body: the two steps every family implements (see FusedOptimizer).
+#define MIXPREC_FUSED_OPTIMIZER_STEP()                                                                      \
+ protected:                                                                                                \
+  void init_param_state(const at::Tensor& p, const FusedOptions& options, FusedParamState& state) override; \
+  void step_group(size_t index, const std::vector<at::Tensor>& params, const FusedOptions& options,         \
+                  const StepArgs& args) override;
