@@ -333,3 +333,44 @@ def test_a_fused_adam_checkpoint_converted_as_documented_resumes_in_torch(adam_w
     train(params, opt, gen, steps=3, twin=(twins, peer))
     for p, q in zip(params, twins):
         assert_rel_err(q.detach(), p.detach(), 1e-6, "torch after loading the converted checkpoint")
+
+
+# ---- errors only the op can see, in a later group: refused before any group steps --------------
+def _alias_grad(params):  # group 1's first grad is its param itself: the op's overlap rule refuses it
+    params[2].grad = params[2].data
+
+
+def _transposed_grad(params):  # group 1's (2, 6, 1, 3) param gets a grad in another layout
+    params[3].grad = params[3].grad.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.parametrize("first_step", [True, False])
+@pytest.mark.parametrize("spoil", [_alias_grad, _transposed_grad], ids=["aliased-grad", "layout"])
+@pytest.mark.parametrize("name", NAMES)
+def test_an_op_level_error_in_group_1_changes_nothing(name, spoil, first_step, gen):
+    # Before: group 0 stepped (params, moments, step count) and then group 1's op raised.
+    params, opt = make(name, gen, dtype=torch.float16, master_weights=True)
+    for p in params:
+        p.grad = random_tensor(p.shape, torch.float16, "cpu", gen)
+    if not first_step:
+        opt.step()
+        for p in params:
+            p.grad = random_tensor(p.shape, torch.float16, "cpu", gen)
+    spoil(params)
+    before_params, before_state = snapshot(params), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"mixprec::\w+_: "):
+        opt.step()
+    assert_unchanged(before_params, params, "params")
+    after_state = opt.state_dict()
+    for g_before, g_after in zip(before_state["param_groups"], after_state["param_groups"]):
+        assert sorted(g_before) == sorted(g_after)  # no key made for a refused step (a step tensor, norms)
+        for key, value in g_before.items():
+            if isinstance(value, torch.Tensor):
+                assert_bitwise_equal(g_after[key], value, f"param group key {key!r}")
+            else:
+                assert g_after[key] == value, key
+    assert sorted(before_state["state"]) == sorted(after_state["state"])  # no state made for a refused step
+    for k, st_ in before_state["state"].items():
+        assert sorted(st_) == sorted(after_state["state"][k])
+        assert_unchanged([st_[key] for key in sorted(st_)], [after_state["state"][k][key] for key in sorted(st_)],
+                         f"state[{k}]")

@@ -192,19 +192,39 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             plan.append((group, params, device))
-        for group, params, device in plan:
-            for p in params:
-                if len(self.state[p]) == 0:
-                    self._init_param_state(p, group)
-            step_tensor = self._group_step_tensor(group, device)
-            lr = group["lr"]
-            lr_tensor = None
-            if isinstance(lr, torch.Tensor):
-                lr_tensor = lr.to(device=device, dtype=torch.float32).reshape(1)
-                lr = 0.0
-            self._step_group(group, params, step_tensor=step_tensor, lr=float(lr), lr_tensor=lr_tensor,
-                             grad_scale=_device_scalar(grad_scale, device),
-                             found_inf=_device_scalar(found_inf, device))
+        # What the ops check (layouts, aliasing, dtypes, state shapes) is checked for every group
+        # before the first writes: each op checks its own lists before it writes, so with several
+        # groups the later ones are validated first (the ops' check twins write nothing). A refusal
+        # also takes back the state this step created, so a refused step changes nothing.
+        fresh: list[torch.Tensor] = []
+        groups_before = [dict(group) for group, _, _ in plan]
+        calls = []
+        try:
+            for group, params, device in plan:
+                for p in params:
+                    if len(self.state[p]) == 0:
+                        fresh.append(p)
+                        self._init_param_state(p, group)
+                lr, lr_tensor = group["lr"], None
+                if isinstance(lr, torch.Tensor):
+                    lr, lr_tensor = 0.0, lr.to(device=device, dtype=torch.float32).reshape(1)
+                calls.append((group, params, dict(
+                    step_tensor=self._group_step_tensor(group, device), lr=float(lr), lr_tensor=lr_tensor,
+                    grad_scale=_device_scalar(grad_scale, device), found_inf=_device_scalar(found_inf, device))))
+            for group, params, scalars in calls[1:]:
+                self._step_group(group, params, validate_only=True, **scalars)
+            group, params, scalars = calls[0] if calls else (None, None, None)
+            if calls:
+                self._step_group(group, params, **scalars)  # its op checks before it writes
+        except BaseException:
+            for p in fresh:
+                self.state.pop(p, None)
+            for group, saved in zip((g for g, _, _ in plan), groups_before):
+                group.clear()  # keys made for this step (a step tensor, NovoGrad's norms) go again
+                group.update(saved)
+            raise
+        for group, params, scalars in calls[1:]:
+            self._step_group(group, params, **scalars)
         return loss
 
     # -- helpers for subclasses --------------------------------------------------------------
@@ -219,7 +239,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
         raise NotImplementedError
 
-    def _step_group(self, group: dict, params: list[torch.Tensor], **scalars) -> None:
+    def _step_group(self, group: dict, params: list[torch.Tensor], *, validate_only: bool = False, **scalars) -> None:
+        """One op call over the group's params with gradients; ``validate_only``: the op's check
+        twin, which raises what the step would and changes nothing (state included)."""
         raise NotImplementedError
 
     def _masters(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:

@@ -42,12 +42,12 @@ class FusedAdagrad(FusedOptimizer):
         state["sum"] = torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32,
                                        memory_format=torch.preserve_format)
 
-    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
+    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf, validate_only=False):
         _ops.adagrad_(
             params, [p.grad for p in params], self._states(params, "sum"), lr=lr, eps=group["eps"],
             weight_decay=group["weight_decay"], lr_decay=group["lr_decay"], adagrad_w_mode=group["adagrad_w_mode"],
             maximize=group["maximize"], master_params=self._masters(params, group), step_tensor=step_tensor,
-            lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+            lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only,
         )
 
     def load_state_dict(self, state_dict):

@@ -57,7 +57,7 @@ class FusedAdam(FusedOptimizer):
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = zeros()
 
-    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
+    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf, validate_only=False):
         beta1, beta2 = group["betas"]
         if group["amsgrad"]:
             for p in params:  # a group switched to amsgrad after its first step
@@ -68,7 +68,7 @@ class FusedAdam(FusedOptimizer):
             adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], maximize=group["maximize"],
             max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if group["amsgrad"] else (),
             master_params=self._masters(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
-            grad_scale=grad_scale, found_inf=found_inf,
+            grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only,
         )
 
     def load_state_dict(self, state_dict):

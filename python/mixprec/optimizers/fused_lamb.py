@@ -102,7 +102,7 @@ class FusedLAMB(FusedOptimizer):
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
+    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf, validate_only=False):
         beta1, beta2 = group["betas"]
         global_grad_norm = self._grad_norms.get(params[0].device) if _clips(group) else None
         if _clips(group) and global_grad_norm is None:
@@ -114,5 +114,5 @@ class FusedLAMB(FusedOptimizer):
             bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
             adam_w_mode=group["adam_w_mode"], max_grad_norm=group["max_grad_norm"], use_nvlamb=group["use_nvlamb"],
             master_params=self._masters(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
-            grad_scale=grad_scale, found_inf=found_inf, global_grad_norm=global_grad_norm,
+            grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only, global_grad_norm=global_grad_norm,
         )

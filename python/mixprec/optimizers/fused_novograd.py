@@ -96,7 +96,7 @@ class FusedNovoGrad(FusedOptimizer):
             self._index_cache[key] = idx
         return idx
 
-    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
+    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf, validate_only=False):
         beta1, beta2 = group["betas"]
         device = params[0].device
         norms = self._group_norms(group, device)
@@ -114,9 +114,9 @@ class FusedNovoGrad(FusedOptimizer):
             bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
             reg_inside_moment=group["reg_inside_moment"], norm_type=_op_norm_type(group["norm_type"]),
             init_zero=group["init_zero"], master_params=self._masters(params, group), step_tensor=step_tensor,
-            lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+            lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only,
         )
-        if idx is not None:
+        if idx is not None and not validate_only:
             norms.index_copy_(0, idx, moments)
 
     # -- checkpoints ---------------------------------------------------------------------------

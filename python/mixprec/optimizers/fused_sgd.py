@@ -50,24 +50,27 @@ class FusedSGD(FusedOptimizer):
         # Momentum buffers are made in _step_group, which must know which of them are new.
         pass
 
-    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf):
+    def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf, validate_only=False):
         momentum, dampening = group["momentum"], group["dampening"]
-        fresh = []
+        fresh, buffers = [], {}
         if momentum != 0:
             for p in params:
                 state = self.state[p]
-                if state.get("momentum_buffer") is None:
-                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
-                                                                memory_format=torch.preserve_format)
+                buffer = state.get("momentum_buffer")
+                if buffer is None:
+                    buffer = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    if not validate_only:  # a check leaves the state as it was: the step must see the buffer as new
+                        state["momentum_buffer"] = buffer
                     fresh.append(p)
+                buffers[p] = buffer
 
         def run(ps, **step_args):
             _ops.sgd_(
-                ps, [p.grad for p in ps], self._states(ps, "momentum_buffer") if momentum != 0 else (),
+                ps, [p.grad for p in ps], [buffers[p] for p in ps] if momentum != 0 else (),
                 lr=lr, momentum=momentum, dampening=dampening, weight_decay=group["weight_decay"],
                 nesterov=group["nesterov"], wd_after_momentum=group["wd_after_momentum"],
                 maximize=group["maximize"], master_params=self._masters(ps, group), lr_tensor=lr_tensor,
-                grad_scale=grad_scale, found_inf=found_inf, **step_args,
+                grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only, **step_args,
             )
 
         # torch.optim.SGD starts a new buffer at the gradient; the op does so on the group's first
@@ -83,7 +86,7 @@ class FusedSGD(FusedOptimizer):
             rest = [p for p in params if id(p) not in fresh_ids]
             if rest:
                 run(rest, step_tensor=step_tensor)
-            else:
+            elif not validate_only:
                 # The op counts steps on the device; without a call that takes step_tensor, do the same.
                 step_tensor.add_(1.0 if found_inf is None else found_inf.eq(0).to(step_tensor.dtype))
         else:
