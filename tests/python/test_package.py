@@ -5,10 +5,12 @@ from __future__ import annotations
 import glob
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +147,13 @@ def test_ops_are_registered_for_cpu_and_meta():
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), f"{name} has no {key} kernel"
         if torch.cuda.is_available():
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CUDA"), f"{name} has no CUDA kernel"
+
+
+def test_cmake_source_lists_name_every_source_file():
+    # CMakeLists.txt builds what cmake/sources.cmake names, not what a glob finds: a new source file
+    # must be added there (and a removed one taken out), or the build silently lacks it.
+    root = Path(__file__).resolve().parents[2]
+    listed = set(re.findall(r"^\s+(csrc/\S+)$", (root / "cmake" / "sources.cmake").read_text(), re.M))
+    on_disk = {str(p.relative_to(root)) for ext in ("*.cpp", "*.cu") for p in (root / "csrc").rglob(ext)}
+    assert sorted(on_disk - listed) == [], "sources not in cmake/sources.cmake"
+    assert sorted(listed - on_disk) == [], "cmake/sources.cmake names files that do not exist"
