@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every mixprec test: sets up (scripts/setup.sh), lints the Python (ruff), then the GoogleTest
-# suite built against the installed CMake package, then the Python tests. Extra arguments go to pytest.
+# Runs every mixprec test: sets up (scripts/setup.sh), lints the Python (ruff), checks the C++ formatting
+# (clang-format), then the GoogleTest suite built against the installed CMake package, then the Python
+# tests. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -10,6 +11,9 @@ source "$VENV/bin/activate"
 
 # The Python linter first: it takes a second and fails before the long builds (config: pyproject.toml).
 ruff check .
+# The C++ and CUDA formatting (.clang-format, with the clang-format pinned in scripts/requirements.txt).
+find csrc tests/cpp examples/cpp benchmarks/cpp -type f \( -name '*.h' -o -name '*.cpp' -o -name '*.cuh' -o -name '*.cu' \) \
+  -print0 | xargs -0 clang-format --dry-run --Werror
 
 prefix=$(python -c 'import mixprec, torch; print(mixprec.cmake_prefix_path + ";" + torch.utils.cmake_prefix_path)')
 CPP_TEST_BUILD=${MIXPREC_CPP_TEST_BUILD_DIR:-build/tests-cpp}

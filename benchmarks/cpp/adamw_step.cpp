@@ -28,7 +28,7 @@ using Shape = std::vector<int64_t>;
 std::vector<Shape> gpt_shapes(int64_t layers, int64_t width, int64_t vocab = 50304, int64_t ctx = 1024) {
   std::vector<Shape> s{{vocab, width}, {ctx, width}};
   for (int64_t l = 0; l < layers; ++l) {
-    const std::vector<Shape> block{{width}, {width}, {3 * width, width}, {3 * width}, {width, width}, {width},
+    const std::vector<Shape> block{{width}, {width}, {3 * width, width}, {3 * width}, {width, width},     {width},
                                    {width}, {width}, {4 * width, width}, {4 * width}, {width, 4 * width}, {width}};
     s.insert(s.end(), block.begin(), block.end());
   }
@@ -115,10 +115,11 @@ int main(int argc, char** argv) {
   const std::vector<Shape> shapes = shape_set(set);
   int64_t n = 0;
   for (const auto& s : shapes) n += numel(s);
-  std::printf("mixprec C++ AdamW benchmark: torch %s, %s, set %s: %.1f M params in %zu tensors, %d warm-up + %d "
-              "timed steps\n",
-              TORCH_VERSION, cuda ? "cuda:0" : ("CPU, " + std::to_string(at::get_num_threads()) + " threads").c_str(),
-              set.c_str(), n / 1e6, shapes.size(), warmup, steps);
+  std::printf(
+      "mixprec C++ AdamW benchmark: torch %s, %s, set %s: %.1f M params in %zu tensors, %d warm-up + %d "
+      "timed steps\n",
+      TORCH_VERSION, cuda ? "cuda:0" : ("CPU, " + std::to_string(at::get_num_threads()) + " threads").c_str(),
+      set.c_str(), n / 1e6, shapes.size(), warmup, steps);
   torch::manual_seed(0);
   torch::NoGradGuard no_grad;
 

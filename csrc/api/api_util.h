@@ -99,8 +99,8 @@ inline void check_finite_nonneg(const std::string& where, const char* name, doub
 
 inline void check_betas(const std::string& where, const std::tuple<double, double>& betas) {
   const double b1 = std::get<0>(betas), b2 = std::get<1>(betas);
-  TORCH_CHECK_VALUE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, where, ": invalid betas (", num(b1), ", ",
-                    num(b2), "); each must be in [0, 1)");
+  TORCH_CHECK_VALUE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, where, ": invalid betas (", num(b1), ", ", num(b2),
+                    "); each must be in [0, 1)");
 }
 
 }  // namespace mixprec::detail::api

@@ -33,8 +33,8 @@ void FusedAdagrad::init_param_state(const at::Tensor& p, const FusedOptions& opt
 
 void FusedAdagrad::step_group(size_t, const std::vector<at::Tensor>& params, const FusedOptions& options,
                               const StepArgs& args) {
-  mixprec::adagrad_(params, grads_of(params), gather(params, [](auto& s) { return s.sum(); }),
-                    masters(params, options), options_as(options).args(), args);
+  mixprec::adagrad_(params, grads_of(params), gather(params, [](auto& s) { return s.sum(); }), masters(params, options),
+                    options_as(options).args(), args);
 }
 
 }  // namespace mixprec::optim

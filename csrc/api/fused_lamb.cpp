@@ -42,8 +42,7 @@ void FusedLAMB::begin_step() {
   // divided on the device (no host sync). Nothing when no group clips.
   grad_norms_.clear();
   bool any_clips = false;
-  for (size_t i = 0; i < param_groups().size(); ++i)
-    any_clips = any_clips || options_as(options_of(i)).clips();
+  for (size_t i = 0; i < param_groups().size(); ++i) any_clips = any_clips || options_as(options_of(i)).clips();
   if (!any_clips) return;
   std::vector<std::pair<c10::Device, std::vector<at::Tensor>>> by_device;
   for (const auto& g : param_groups()) {

@@ -80,8 +80,8 @@ void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& pa
 }
 
 const FusedOptions& FusedOptimizer::options_of(size_t group) const {
-  TORCH_CHECK_INDEX(group < param_groups_.size(), name_, ": no param group ", detail::num(group),
-                    " (there are ", detail::num(param_groups_.size()), ")");
+  TORCH_CHECK_INDEX(group < param_groups_.size(), name_, ": no param group ", detail::num(group), " (there are ",
+                    detail::num(param_groups_.size()), ")");
   const auto& g = param_groups_[group];
   TORCH_CHECK(g.has_options(), group_where(name_, group), " has no options");
   const FusedOptions* o = cast_options(g.options());
@@ -230,9 +230,9 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
                       "; expected the parameter's ", p.device().str());
     TORCH_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ",
                       detail::shape(g.sizes()), "; expected the parameter's ", detail::shape(p.sizes()));
-    TORCH_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ",
-                      detail::shape(g.strides()), "; expected the parameter's layout, strides ",
-                      detail::shape(p.strides()), " (as autograd lays out gradients)");
+    TORCH_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ", detail::shape(g.strides()),
+                      "; expected the parameter's layout, strides ", detail::shape(p.strides()),
+                      " (as autograd lays out gradients)");
     const auto it = state_.find(p.unsafeGetTensorImpl());
     auto* s = it == state_.end() ? nullptr : dynamic_cast<FusedParamState*>(it->second.get());
     if (s == nullptr) continue;
@@ -244,8 +244,8 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
       if (t.scalar_type() != at::kFloat || t.sizes() != p.sizes()) {
         checked_slot(state_where(name_, index, j, slot.first), slot.first, t, p, options);
       }
-      TORCH_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ",
-                        t.device().str(), "; expected the parameter's ", p.device().str());
+      TORCH_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ", t.device().str(),
+                        "; expected the parameter's ", p.device().str());
       TORCH_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
                         detail::shape(t.strides()), "; expected the parameter's layout, strides ",
                         detail::shape(p.strides()));

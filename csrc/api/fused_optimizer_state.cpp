@@ -86,8 +86,7 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
   using namespace mixprec::detail::api;
   const std::string where = name_ + ".load";
   c10::IValue format;
-  TORCH_CHECK_VALUE(archive.try_read("mixprec_format", format) && format.isString() &&
-                        format.toStringRef() == kFormat,
+  TORCH_CHECK_VALUE(archive.try_read("mixprec_format", format) && format.isString() && format.toStringRef() == kFormat,
                     where, ": not a mixprec optimizer checkpoint of format ", kFormat,
                     " (torch::optim checkpoints do not load into mixprec optimizers)");
   const std::string saved_name = read_string(archive, "optimizer", where);
@@ -107,8 +106,8 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
     TORCH_CHECK_VALUE(archive.try_read("param_groups/" + std::to_string(i), group_archive), gw,
                       " is missing from the checkpoint");
     const int64_t n_params = read_int(group_archive, "params/size", gw);
-    TORCH_CHECK_VALUE(n_params == static_cast<int64_t>(g.params().size()), gw, " has ",
-                      detail::num(n_params), " params in the checkpoint but ", detail::num(g.params().size()), " here");
+    TORCH_CHECK_VALUE(n_params == static_cast<int64_t>(g.params().size()), gw, " has ", detail::num(n_params),
+                      " params in the checkpoint but ", detail::num(g.params().size()), " here");
     for (const auto& p : g.params()) param_at.emplace_back(i, p);
 
     torch::serialize::InputArchive options_archive;
@@ -127,11 +126,10 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
       for (const std::string& key : tensors_archive.keys()) {
         at::Tensor t;
         const std::string tw = gw + "['" + key + "']";
-        TORCH_CHECK_VALUE(tensors_archive.try_read(key, t, /*is_buffer=*/true) && t.defined(), tw,
-                          " is not a tensor");
+        TORCH_CHECK_VALUE(tensors_archive.try_read(key, t, /*is_buffer=*/true) && t.defined(), tw, " is not a tensor");
         if (key == "step") {
-          TORCH_CHECK_VALUE(t.numel() == 1 && !t.is_complex(), tw,
-                            " must hold one number, got shape ", detail::shape(t.sizes()));
+          TORCH_CHECK_VALUE(t.numel() == 1 && !t.is_complex(), tw, " must hold one number, got shape ",
+                            detail::shape(t.sizes()));
           // A checkpoint's count is read on the host anyway (it comes from a file): a NaN, inf or
           // negative count would feed bias corrections of NaN or of the wrong sign.
           const double count = t.to(at::kCPU, at::kDouble).item<double>();
@@ -154,8 +152,8 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
       char* end = nullptr;
       const long long k = std::strtoll(key.c_str(), &end, 10);
       TORCH_CHECK_VALUE(!key.empty() && *end == '\0' && k >= 0 && k < static_cast<long long>(param_at.size()), where,
-                        ": state for unknown parameter '", key, "' (the optimizer has ",
-                        detail::num(param_at.size()), " params)");
+                        ": state for unknown parameter '", key, "' (the optimizer has ", detail::num(param_at.size()),
+                        " params)");
       const size_t group = param_at[k].first;
       const at::Tensor& p = param_at[k].second;
       const FusedOptions& o = *new_options[group];
@@ -166,8 +164,8 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
       std::set<std::string> known;
       for (const auto& slot : s->slots()) known.insert(slot.first);
       for (const std::string& pk : param_archive.keys())
-        TORCH_CHECK_VALUE(known.count(pk) != 0, where, ": state[", detail::num(k), "]['", pk,
-                          "'] is not state ", name_, " knows");
+        TORCH_CHECK_VALUE(known.count(pk) != 0, where, ": state[", detail::num(k), "]['", pk, "'] is not state ", name_,
+                          " knows");
       s->serialize(param_archive);
       bool any = false;
       for (const auto& slot : s->slots()) {
@@ -177,10 +175,10 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
         const std::string sw = where + ": state[" + std::to_string(k) + "]['" + slot.first + "']";
         t = copy_in_layout_of(checked_slot(sw, slot.first, t, p, o), p);
       }
-      TORCH_CHECK_VALUE(!any || !o.uses_master_weights() || p.scalar_type() == at::kFloat ||
-                            s->master_param().defined(),
-                        where, ": state[", detail::num(k),
-                        "] has no 'master_param' but master weights are on and the parameter is ", p.scalar_type());
+      TORCH_CHECK_VALUE(
+          !any || !o.uses_master_weights() || p.scalar_type() == at::kFloat || s->master_param().defined(), where,
+          ": state[", detail::num(k), "] has no 'master_param' but master weights are on and the parameter is ",
+          p.scalar_type());
       if (any) new_state[p.unsafeGetTensorImpl()] = std::move(s);
     }
   }

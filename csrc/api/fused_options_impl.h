@@ -44,8 +44,7 @@ inline bool is_beta(const char* key) { return std::strcmp(key, "beta1") == 0 || 
 
 }  // namespace internal
 
-template <class Derived, class Args>
-Args FusedOptionsFor<Derived, Args>::args() const {
+template <class Derived, class Args> Args FusedOptionsFor<Derived, Args>::args() const {
   Args a;
   Derived::for_each_field([&](const char*, auto mine, auto theirs) {
     if constexpr (!std::is_null_pointer_v<decltype(theirs)>) a.*theirs = self().*mine;

@@ -78,7 +78,9 @@ bool op_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t 
 }  // namespace
 
 GradScaler::GradScaler(GradScalerOptions options)
-    : options_(std::move(options)), init_scale_(options_.init_scale()), init_hysteresis_tracker_(options_.hysteresis()) {
+    : options_(std::move(options)),
+      init_scale_(options_.init_scale()),
+      init_hysteresis_tracker_(options_.hysteresis()) {
   if (options_.enabled()) check_options(options_, kName);
 }
 
@@ -149,7 +151,8 @@ std::vector<at::Tensor> GradScaler::check_grads(torch::optim::Optimizer& optimiz
     if (inv_scale) inv = inv_scale->to(d.device, /*non_blocking=*/true);
     if (!d.ours.empty()) mixprec::non_finite_check_and_unscale_(d.ours, f, inv);
     if (!d.others.empty()) {
-      const at::Tensor one = inv ? *inv : at::scalar_tensor(1.0, at::TensorOptions().dtype(at::kFloat).device(d.device));
+      const at::Tensor one =
+          inv ? *inv : at::scalar_tensor(1.0, at::TensorOptions().dtype(at::kFloat).device(d.device));
       at::_amp_foreach_non_finite_check_and_unscale_(d.others, f, one);
     }
     found.push_back(f);
@@ -272,8 +275,8 @@ void GradScaler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("growth_interval", c10::IValue(options_.growth_interval()));
   archive.write("_growth_tracker", c10::IValue(growth_tracker()));
   archive.write("hysteresis", c10::IValue(options_.hysteresis()));
-  archive.write("_hysteresis_tracker",
-                c10::IValue(hysteresis_tracker_.defined() ? hysteresis_tracker_.item<int64_t>() : init_hysteresis_tracker_));
+  archive.write("_hysteresis_tracker", c10::IValue(hysteresis_tracker_.defined() ? hysteresis_tracker_.item<int64_t>()
+                                                                                 : init_hysteresis_tracker_));
   detail::api::write_optional_double(archive, "min_scale", options_.min_scale());
   detail::api::write_optional_double(archive, "max_scale", options_.max_scale());
   archive.write("_skipped_steps", c10::IValue(skipped_steps()));

@@ -53,7 +53,8 @@ AmpState resolve(const AmpOptions& o) {
   }
   const bool o1 = o.opt_level() == OptLevel::O1;
   if (o.keep_batchnorm_fp32()) {
-    TORCH_CHECK_VALUE(!o1, kName, ": with O1 BatchNorm runs in fp32 under autocast anyway; leave keep_batchnorm_fp32 unset");
+    TORCH_CHECK_VALUE(!o1, kName,
+                      ": with O1 BatchNorm runs in fp32 under autocast anyway; leave keep_batchnorm_fp32 unset");
     s.keep_batchnorm_fp32 = *o.keep_batchnorm_fp32();
   }
   if (o.master_weights()) {
@@ -89,7 +90,8 @@ AmpState initialize_impl(torch::nn::Module& model, torch::optim::Optimizer* opti
   // The modules whose own parameters and buffers are cast (the root may not be owned by a
   // shared_ptr, so it is listed by hand before its descendants).
   std::vector<std::pair<std::string, torch::nn::Module*>> modules{{"", &model}};
-  for (const auto& kv : model.named_modules("", /*include_self=*/false)) modules.emplace_back(kv.key(), kv.value().get());
+  for (const auto& kv : model.named_modules("", /*include_self=*/false))
+    modules.emplace_back(kv.key(), kv.value().get());
   std::vector<torch::nn::Module*> to_cast;
   for (const auto& m : modules) {
     const bool keep = (s.keep_batchnorm_fp32 && is_affine_batchnorm(*m.second)) ||

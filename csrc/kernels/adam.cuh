@@ -10,8 +10,7 @@ namespace mixprec::kernels {
 
 // TP: model param storage, TG: grad storage, TS: moment storage (float or bf16); kStoreGrad:
 // stores_unscaled_grads (an instance of its own, so steps without a grad_scale keep their registers).
-template <typename TP, typename TG, typename TS, bool kStoreGrad>
-struct AdamOp {
+template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp {
   static constexpr bool kPersistent = false;  // see multi_tensor_kernel: a chunk loop would spill
   AdamParams p;
 

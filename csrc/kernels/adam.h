@@ -11,7 +11,15 @@
 namespace mixprec::kernels {
 
 // Lists of the group, always six (unused ones repeat the params list and are never touched).
-enum AdamList : int { kAdamParam = 0, kAdamGrad, kAdamExpAvg, kAdamExpAvgSq, kAdamMaxExpAvgSq, kAdamMaster, kAdamLists };
+enum AdamList : int {
+  kAdamParam = 0,
+  kAdamGrad,
+  kAdamExpAvg,
+  kAdamExpAvgSq,
+  kAdamMaxExpAvgSq,
+  kAdamMaster,
+  kAdamLists
+};
 
 struct AdamParams {
   const TensorGroup* group = nullptr;
@@ -23,8 +31,8 @@ struct AdamParams {
   float one_minus_beta2 = 0.001f;
   float log_beta1 = -0.105360516f;  // log(beta1): bias correction 1 - beta^t = -expm1(t * log(beta))
   float log_beta2 = -0.0010005003f;
-  bool amsgrad = false;        // list kAdamMaxExpAvgSq is live
-  bool has_master = false;     // list kAdamMaster (fp32) is the weight; kAdamParam gets its rounding
+  bool amsgrad = false;     // list kAdamMaxExpAvgSq is live
+  bool has_master = false;  // list kAdamMaster (fp32) is the weight; kAdamParam gets its rounding
 };
 
 void adam_cpu(const AdamParams& p, int64_t chunk_begin, int64_t chunk_end);

@@ -56,8 +56,7 @@ __global__ void __launch_bounds__(kColumnLanes* kGroups) column_finish_kernel(co
   }
 }
 
-template <typename T>
-void launch_column_finish(const ColumnFinish& f, int sets, cudaStream_t stream) {
+template <typename T> void launch_column_finish(const ColumnFinish& f, int sets, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((f.cols + kColumnLanes - 1) / kColumnLanes), static_cast<unsigned>(sets));
   if (f.splits >= kManySplits) {
     column_finish_kernel<T, kManySplitsGroups><<<grid, dim3(kColumnLanes, kManySplitsGroups), 0, stream>>>(f);

@@ -19,7 +19,7 @@ namespace mixprec::kernels {
 
 struct CrossEntropyForwardParams {
   DType dtype = DType::kFloat32;
-  const void* logits = nullptr;    // [rows, vocab], contiguous
+  const void* logits = nullptr;     // [rows, vocab], contiguous
   const int64_t* target = nullptr;  // [rows]
   int64_t rows = 0;
   int64_t vocab = 0;  // >= 1

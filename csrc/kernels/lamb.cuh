@@ -11,8 +11,7 @@ namespace mixprec::kernels {
 // 16 bytes of the narrowest operand per vector; one vector group in flight when vectors are wide
 // (fp16/bf16: 8 elements, so the fp32 moments take two 16-byte loads each), two otherwise, which
 // keeps registers under the 64 that two blocks per SM allow.
-template <typename TP, typename TG>
-struct LambShape {
+template <typename TP, typename TG> struct LambShape {
   static constexpr int N = vec_elems<TP, TG, float>();
   static constexpr int Ilp = 1;
 };
@@ -86,15 +85,13 @@ struct LambMomentsOp {
 };
 
 // Pass 2: reads the new moments and the weight, never the gradient.
-template <typename TP>
-struct LambApplyOp {
+template <typename TP> struct LambApplyOp {
   LambParams p;
 
   __device__ void operator()(const TensorTable<kLambLists>& table, const ChunkCtx& ctx) const {
     if (step_skipped(p.scalars)) return;
     const LambCoefficients c = lamb_coefficients(p);
-    const float step_size =
-        lamb_step_size(c.lr, p.param_norms[ctx.arg_index], p.update_norms[ctx.arg_index]);
+    const float step_size = lamb_step_size(c.lr, p.param_norms[ctx.arg_index], p.update_norms[ctx.arg_index]);
     constexpr int N = LambShape<TP, float>::N;
     constexpr int Ilp = LambShape<TP, float>::Ilp;
     TP* param = chunk_ptr<TP>(table, ctx, kLambParam);

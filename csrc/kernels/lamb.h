@@ -39,7 +39,7 @@ struct LambParams {
   // 1 - 0.999f^t the step) by as much. grad_averaging: beta1's (1 - beta1) factor on the gradient
   // (false: 1); adam_w_mode: decoupled decay (added to the update), else L2 added to the gradient.
   LambArgs args;
-  bool has_master = false;      // list kLambMaster (fp32) is the weight; kLambParam gets its rounding
+  bool has_master = false;  // list kLambMaster (fp32) is the weight; kLambParam gets its rounding
   // Clipping: grads are divided by max(1, norm / max_grad_norm), norm = *global_grad_norm of the
   // unscaled grads (times 1/grad_scale first when global_grad_norm_scaled). Null: no clipping.
   // The limit is args.max_grad_norm.
@@ -48,10 +48,10 @@ struct LambParams {
   // Two passes with a trust ratio (weight_decay != 0 or use_nvlamb); otherwise the moments pass
   // applies lr * u directly.
   bool trust_ratio = true;
-  float* param_partials = nullptr;         // [total chunks] sum of w^2 per chunk (pass 1 writes)
-  float* update_partials = nullptr;        // [total chunks] sum of u^2 per chunk
-  const float* param_norms = nullptr;      // [num args] ||w|| per tensor (pass 2 reads)
-  const float* update_norms = nullptr;     // [num args] ||u|| per tensor
+  float* param_partials = nullptr;      // [total chunks] sum of w^2 per chunk (pass 1 writes)
+  float* update_partials = nullptr;     // [total chunks] sum of u^2 per chunk
+  const float* param_norms = nullptr;   // [num args] ||w|| per tensor (pass 2 reads)
+  const float* update_norms = nullptr;  // [num args] ||u|| per tensor
 };
 
 // Pass 1 (moments, partials; or the whole step when !trust_ratio) and pass 2 (apply).

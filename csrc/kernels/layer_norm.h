@@ -37,7 +37,7 @@ struct LayerNormForwardParams {
   int64_t rows = 0;
   int64_t cols = 0;
   float eps = 1e-5f;
-  void* out = nullptr;   // [rows, cols]
+  void* out = nullptr;    // [rows, cols]
   float* mean = nullptr;  // [rows]
   float* rstd = nullptr;  // [rows]
 };

@@ -15,10 +15,8 @@ namespace mixprec::kernels {
 // exponent is all ones (inf or NaN), and no half carries into the next (0x7c00 + 0x0400 and
 // 0x7f80 + 0x0080 are 0x8000), so `acc |= (w & kExponent) + kCarry` tests two values in two
 // instructions, and (acc & 0x80008000) says whether any was non-finite.
-template <typename T>
-struct PairWord;
-template <>
-struct PairWord<__half> {
+template <typename T> struct PairWord;
+template <> struct PairWord<__half> {
   static constexpr uint32_t kExponent = 0x7c007c00u, kCarry = 0x04000400u;
   static __device__ __forceinline__ float2 unpack(uint32_t w) {
     __half2 h;
@@ -32,8 +30,7 @@ struct PairWord<__half> {
     return w;
   }
 };
-template <>
-struct PairWord<__nv_bfloat16> {
+template <> struct PairWord<__nv_bfloat16> {
   static constexpr uint32_t kExponent = 0x7f807f80u, kCarry = 0x00800080u;
   static __device__ __forceinline__ float2 unpack(uint32_t w) {
     return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
@@ -48,10 +45,9 @@ struct PairWord<__nv_bfloat16> {
 constexpr uint32_t kPairSignBits = 0x80008000u;
 
 // One pass per chunk: read each gradient once, flag non-finite values (tested before scaling,
-// as torch does) and a bad inv_scale (is_bad_inv_scale: torch does not test it), and when asked write g * inv_scale to the output list (in place or another
-// dtype). The check-only form (NLists == 1, no scale) reads and never writes.
-template <int NLists, typename TIn, typename TOut>
-struct UnscaleOp {
+// as torch does) and a bad inv_scale (is_bad_inv_scale: torch does not test it), and when asked write g * inv_scale to
+// the output list (in place or another dtype). The check-only form (NLists == 1, no scale) reads and never writes.
+template <int NLists, typename TIn, typename TOut> struct UnscaleOp {
   float* found_inf;
   const float* inv_scale;
   float* per_tensor_found;
@@ -60,8 +56,7 @@ struct UnscaleOp {
   // fp32's, and per element the generic path spends about eight instructions (unpack, a float
   // test, multiply, a 16-bit convert, repack) where the pair words below spend about four: on
   // the H200 that path ran at 85% of copy bandwidth (fp32: 92%), bound by instruction issue.
-  static constexpr bool kPairWords =
-      sizeof(TIn) == 2 && (NLists == 1 || std::is_same_v<TIn, TOut>);
+  static constexpr bool kPairWords = sizeof(TIn) == 2 && (NLists == 1 || std::is_same_v<TIn, TOut>);
 
   __device__ void operator()(const TensorTable<NLists>& table, const ChunkCtx& c) const {
     if constexpr (kPairWords) {

@@ -64,7 +64,8 @@ MIXPREC_HOST_DEVICE inline void update_scale_step(const ScaleUpdateParams& p) {
       // A NaN scale stays NaN, as in torch (fmax would turn it into the floor): every step with it
       // is skipped, since its inverse is NaN, and the weights stay as they were.
       if (scale == scale)
-        *p.scale = static_cast<float>(fmax(static_cast<double>(scale) * p.backoff_factor, fmax(p.min_scale, kScaleFloor)));
+        *p.scale =
+            static_cast<float>(fmax(static_cast<double>(scale) * p.backoff_factor, fmax(p.min_scale, kScaleFloor)));
       tolerated = p.hysteresis;
     }
     if (p.hysteresis_tracker != nullptr) *p.hysteresis_tracker = tolerated;

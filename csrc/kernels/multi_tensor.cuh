@@ -25,13 +25,12 @@
 
 #include "kernels/multi_tensor.h"
 
-#define MIXPREC_CUDA_CHECK(expr)                                                                  \
-  do {                                                                                            \
-    const cudaError_t mixprec_err_ = (expr);                                                      \
-    if (mixprec_err_ != cudaSuccess)                                                              \
-      throw std::runtime_error(std::string("mixprec: CUDA error ") +                              \
-                               cudaGetErrorString(mixprec_err_) + " at " __FILE__ ":" +           \
-                               std::to_string(__LINE__));                                         \
+#define MIXPREC_CUDA_CHECK(expr)                                                                        \
+  do {                                                                                                  \
+    const cudaError_t mixprec_err_ = (expr);                                                            \
+    if (mixprec_err_ != cudaSuccess)                                                                    \
+      throw std::runtime_error(std::string("mixprec: CUDA error ") + cudaGetErrorString(mixprec_err_) + \
+                               " at " __FILE__ ":" + std::to_string(__LINE__));                         \
   } while (0)
 
 namespace mixprec::kernels {
@@ -39,8 +38,7 @@ namespace mixprec::kernels {
 constexpr int kBlockThreads = 512;
 constexpr int kTableBytes = 31 * 1024;  // leaves ~1 KB of the 32764-byte limit to the functor
 
-template <int NLists>
-struct TensorTable {
+template <int NLists> struct TensorTable {
   static constexpr int kListSlots = NLists > 0 ? NLists : 1;
   static constexpr int kEntryBytes = kListSlots * 8 + 8 + 4 + 4 + 4 + 1;
   static constexpr int kCapacity = (kTableBytes - 16) / kEntryBytes;
@@ -78,14 +76,18 @@ template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 // Raw storage bits of one element, and back: the vector paths below move uint4 words and
 // (un)pack them in registers, so wide loads and stores stay single 16-byte instructions for
 // every dtype (a struct of __half does not: its copies are split into 2-byte accesses).
 template <typename T> __device__ __forceinline__ uint32_t to_bits(float v);
 template <> __device__ __forceinline__ uint32_t to_bits<float>(float v) { return __float_as_uint(v); }
-template <> __device__ __forceinline__ uint32_t to_bits<__half>(float v) { return __half_as_ushort(__float2half_rn(v)); }
+template <> __device__ __forceinline__ uint32_t to_bits<__half>(float v) {
+  return __half_as_ushort(__float2half_rn(v));
+}
 template <> __device__ __forceinline__ uint32_t to_bits<__nv_bfloat16>(float v) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(v));
 }
@@ -99,8 +101,7 @@ template <> __device__ __forceinline__ float from_bits<__nv_bfloat16>(uint32_t b
 }
 
 // The 16 / sizeof(T) elements of one 16-byte word, as fp32 values at r[offset...].
-template <typename T, int N>
-__device__ __forceinline__ void unpack_word(const uint4 v, int offset, float (&r)[N]) {
+template <typename T, int N> __device__ __forceinline__ void unpack_word(const uint4 v, int offset, float (&r)[N]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -116,8 +117,7 @@ __device__ __forceinline__ void unpack_word(const uint4 v, int offset, float (&r
 // One 16-byte word of elements starting at i, kept packed (a kernel that holds a row in
 // registers holds half as many fp16 words as floats): one access when the word is inside n and
 // aligned, element-wise with zero bits past n otherwise (zero bits are 0.0 in every dtype).
-template <typename T>
-__device__ __forceinline__ uint4 load_word(const T* p, int64_t i, int n, bool vec_ok) {
+template <typename T> __device__ __forceinline__ uint4 load_word(const T* p, int64_t i, int n, bool vec_ok) {
   constexpr int kElems = 16 / sizeof(T);
   if (vec_ok && i + kElems <= n) return *reinterpret_cast<const uint4*>(p + i);
   uint32_t w[4] = {0u, 0u, 0u, 0u};
@@ -175,8 +175,7 @@ __device__ __forceinline__ void store(T* p, int64_t i, int n, bool vec_ok, const
 // needs fewer registers than the word packing above: Adam, with five operands per element and
 // two resident blocks per SM, spills with the words and runs faster this way (measured on the
 // H200: fp32 95% and O2 94% of copy bandwidth, against 85% and 82% with the words).
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Packed {
+template <typename T, int N> struct alignas(sizeof(T) * N) Packed {
   T v[N];
 };
 
@@ -207,8 +206,7 @@ __device__ __forceinline__ void store_packed(T* p, int64_t i, int n, bool vec_ok
 }
 
 // Elements per vector: 16 bytes of the narrowest type an op streams (8 for fp16/bf16, 4 for fp32).
-template <typename... Ts>
-constexpr int vec_elems() {
+template <typename... Ts> constexpr int vec_elems() {
   constexpr size_t narrowest = std::min({sizeof(Ts)...});
   return static_cast<int>(16 / narrowest);
 }
@@ -219,15 +217,12 @@ constexpr int kIlp = 4;
 // Calls f(base, stride) once per step of this thread through the chunk: the thread's vectors of
 // N elements in that step start at base + u * stride for u < Ilp, so a body that loads all Ilp
 // vectors first and computes after keeps Ilp loads per list in flight.
-template <int N, int Ilp = kIlp, typename F>
-__device__ __forceinline__ void for_each_vector_group(int n, F&& f) {
+template <int N, int Ilp = kIlp, typename F> __device__ __forceinline__ void for_each_vector_group(int n, F&& f) {
   constexpr int kStride = kBlockThreads * N;
   for (int64_t base = static_cast<int64_t>(threadIdx.x) * N; base < n; base += kStride * Ilp) f(base, kStride);
 }
 
-__device__ __forceinline__ bool is_finite(float x) {
-  return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
-}
+__device__ __forceinline__ bool is_finite(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
 
 // Warp-wide sum in a fixed butterfly order; every lane gets the same result.
 __device__ __forceinline__ float warp_reduce_sum(float v) {
@@ -279,8 +274,7 @@ __device__ __forceinline__ float block_reduce_max(float v) {
 // At least two blocks per SM (<= 64 registers a thread): one 512-thread block alone leaves too
 // few loads in flight to saturate HBM.
 // An op is persistent unless it says otherwise (static constexpr bool kPersistent = false).
-template <typename Op, typename = void>
-struct IsPersistent : std::true_type {};
+template <typename Op, typename = void> struct IsPersistent : std::true_type {};
 template <typename Op>
 struct IsPersistent<Op, std::void_t<decltype(Op::kPersistent)>> : std::bool_constant<Op::kPersistent> {};
 
@@ -294,7 +288,8 @@ __device__ __forceinline__ void run_chunk(const TensorTable<NLists>& table, cons
   int lo = 0, hi = table.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (table.block_start[mid] <= block) lo = mid; else hi = mid - 1;
+    if (table.block_start[mid] <= block) lo = mid;
+    else hi = mid - 1;
   }
   ChunkCtx c;
   c.t = lo;
@@ -331,8 +326,7 @@ inline int current_sm_count() {
 }
 
 // Blocks of `kernel` the current device holds resident at once (SMs x occupancy), cached.
-template <typename Kernel>
-int resident_blocks(Kernel kernel) {
+template <typename Kernel> int resident_blocks(Kernel kernel) {
   static int per_sm = 0;  // one value per kernel instantiation; the same on every GPU model
   if (per_sm == 0) MIXPREC_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, 0));
   return std::max(1, per_sm) * current_sm_count();
@@ -383,8 +377,7 @@ inline bool persistent_grid() {
 }
 
 // Launches `op` over every chunk of `g` (whose num_lists must equal NLists), one block a chunk.
-template <int NLists, typename Op>
-void launch_multi_tensor(const TensorGroup& g, const Op& op, Stream stream) {
+template <int NLists, typename Op> void launch_multi_tensor(const TensorGroup& g, const Op& op, Stream stream) {
   using Table = TensorTable<NLists>;
   static_assert(sizeof(Table) + sizeof(Op) <= 32764, "kernel parameters exceed CUDA's 32764-byte limit");
   for_each_table<NLists>(
@@ -399,12 +392,14 @@ void launch_multi_tensor(const TensorGroup& g, const Op& op, Stream stream) {
 }
 
 // Calls f(tag) with tag a value of the CUDA storage type for `d` (float, __half, __nv_bfloat16).
-template <typename F>
-decltype(auto) dispatch_dtype(DType d, F&& f) {
+template <typename F> decltype(auto) dispatch_dtype(DType d, F&& f) {
   switch (d) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kBFloat16: return f(__nv_bfloat16{});
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kFloat16:
+      return f(__half{});
+    case DType::kBFloat16:
+      return f(__nv_bfloat16{});
   }
   throw std::logic_error("mixprec: unknown dtype");
 }

@@ -51,8 +51,8 @@ struct TensorGroup {
   DType dtypes[kMaxLists] = {};
   std::vector<void*> ptrs[kMaxLists];
   std::vector<int64_t> numel;
-  std::vector<int32_t> index;        // position of the tensor in the op's argument lists
-  std::vector<int64_t> first_chunk;  // global id of its first chunk, for per-chunk scratch
+  std::vector<int32_t> index;            // position of the tensor in the op's argument lists
+  std::vector<int64_t> first_chunk;      // global id of its first chunk, for per-chunk scratch
   std::vector<int64_t> chunk_prefix{0};  // chunk_prefix[i]: chunks of tensors 0..i-1 in this group
 
   int64_t size() const { return static_cast<int64_t>(numel.size()); }

@@ -12,8 +12,7 @@ __device__ __forceinline__ float norm_combine(NormType type, float acc, float x)
   return type == NormType::kL2 ? fmaf(x, x, acc) : nan_max(acc, fabsf(x));
 }
 
-template <typename T>
-struct NormPartialOp {
+template <typename T> struct NormPartialOp {
   NormType type;
   float* partials;
 

@@ -12,7 +12,7 @@ enum class NormType : int8_t { kL2 = 0, kInf = 1 };
 struct NormParams {
   const TensorGroup* group = nullptr;  // one list
   NormType type = NormType::kL2;
-  float* partials = nullptr;           // [total chunks over all groups]
+  float* partials = nullptr;  // [total chunks over all groups]
 };
 
 void norm_partials_cpu(const NormParams& p, int64_t chunk_begin, int64_t chunk_end);

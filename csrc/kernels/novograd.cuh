@@ -4,8 +4,8 @@
 #pragma once
 
 #include "kernels/multi_tensor.cuh"
-#include "kernels/optim_common.cuh"
 #include "kernels/novograd.h"
+#include "kernels/optim_common.cuh"
 
 namespace mixprec::kernels {
 
@@ -17,9 +17,8 @@ __global__ void __launch_bounds__(kNovoGradMomentThreads) novograd_moment_kernel
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kNovoGradMomentThreads + threadIdx.x;
   if (i >= p.num_tensors) return;
   const float n = p.grad_norms[i] * grad_inv_scale(p.scalars);
-  p.exp_avg_sq_norms[i] =
-      novograd_moment(p.type, p.exp_avg_sq_norms[i], n, static_cast<float>(p.args.beta2),
-                      novograd_seeds(p.scalars, p.args.init_zero));
+  p.exp_avg_sq_norms[i] = novograd_moment(p.type, p.exp_avg_sq_norms[i], n, static_cast<float>(p.args.beta2),
+                                          novograd_seeds(p.scalars, p.args.init_zero));
 }
 
 // TP: model param storage, TG: grad storage; the first moment and the master are float32.

@@ -51,9 +51,9 @@ struct NovoGradMomentParams {
   const float* grad_norms = nullptr;  // [num_tensors] norms of the grads as stored (still scaled)
   float* exp_avg_sq_norms = nullptr;  // [num_tensors] v, updated in place
   int64_t num_tensors = 0;
-  NormType type = NormType::kL2;       // from args.norm_type, checked by the ops tier
-  NovoGradArgs args;                  // beta2, init_zero
-  StepScalars scalars;                // step (already incremented), grad_scale, found_inf
+  NormType type = NormType::kL2;  // from args.norm_type, checked by the ops tier
+  NovoGradArgs args;              // beta2, init_zero
+  StepScalars scalars;            // step (already incremented), grad_scale, found_inf
 };
 
 void novograd_moment_cpu(const NovoGradMomentParams& p);
@@ -74,9 +74,7 @@ void novograd_cuda(const NovoGradParams& p, Stream stream);
 // 1 - beta^step without the cancellation of 1 - powf(beta, step): for beta near 1 and small steps
 // powf's last-bit rounding would cost ~1e-5 relative (beta2 = 0.999, step 2); through log1p and
 // expm1 the result is good to a few ulps. beta - 1 is exact for beta in [0.5, 1] (Sterbenz).
-MIXPREC_HOST_DEVICE inline float one_minus_pow(float beta, float step) {
-  return -expm1f(step * log1pf(beta - 1.f));
-}
+MIXPREC_HOST_DEVICE inline float one_minus_pow(float beta, float step) { return -expm1f(step * log1pf(beta - 1.f)); }
 
 // v for this step from the previous v and this step's unscaled gradient norm n.
 MIXPREC_HOST_DEVICE inline float novograd_moment(NormType type, float v, float n, float beta2, bool seed) {

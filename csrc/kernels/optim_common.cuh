@@ -28,8 +28,7 @@ __device__ __forceinline__ void store_unscaled_grads(TG* grad, int64_t base, int
 }
 
 // Calls f(std::bool_constant<stores_unscaled_grads(s)>{}): the kernel instance for the step.
-template <typename F>
-void dispatch_store_grads(const StepScalars& s, F&& f) {
+template <typename F> void dispatch_store_grads(const StepScalars& s, F&& f) {
   if (stores_unscaled_grads(s)) f(std::true_type{});
   else f(std::false_type{});
 }

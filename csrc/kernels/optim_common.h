@@ -11,16 +11,22 @@ namespace mixprec::kernels {
 struct StepScalars {
   float lr = 0.f;
   const float* lr_tensor = nullptr;
-  float step = 0.f;                     // this step's count (>= 1) when step_tensor is null
-  const float* step_tensor = nullptr;   // already incremented for this step (see increment_step_*)
-  const float* grad_scale = nullptr;    // grads are divided by it (loss scale), null: unscaled
-  const float* found_inf = nullptr;     // non-zero: the whole step does nothing
+  float step = 0.f;                    // this step's count (>= 1) when step_tensor is null
+  const float* step_tensor = nullptr;  // already incremented for this step (see increment_step_*)
+  const float* grad_scale = nullptr;   // grads are divided by it (loss scale), null: unscaled
+  const float* found_inf = nullptr;    // non-zero: the whole step does nothing
 };
 
-MIXPREC_HOST_DEVICE inline bool step_skipped(const StepScalars& s) { return s.found_inf != nullptr && *s.found_inf != 0.f; }
+MIXPREC_HOST_DEVICE inline bool step_skipped(const StepScalars& s) {
+  return s.found_inf != nullptr && *s.found_inf != 0.f;
+}
 MIXPREC_HOST_DEVICE inline float step_lr(const StepScalars& s) { return s.lr_tensor != nullptr ? *s.lr_tensor : s.lr; }
-MIXPREC_HOST_DEVICE inline float step_count(const StepScalars& s) { return s.step_tensor != nullptr ? *s.step_tensor : s.step; }
-MIXPREC_HOST_DEVICE inline float grad_inv_scale(const StepScalars& s) { return s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f; }
+MIXPREC_HOST_DEVICE inline float step_count(const StepScalars& s) {
+  return s.step_tensor != nullptr ? *s.step_tensor : s.step;
+}
+MIXPREC_HOST_DEVICE inline float grad_inv_scale(const StepScalars& s) {
+  return s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
+}
 
 // torch's fused-optimizer contract (aten::_fused_adam_ on CPU and CUDA, Apex's FusedAdam): a step
 // given a grad_scale leaves every gradient unscaled, g * (1/scale) as the update used it, rounded

@@ -17,8 +17,8 @@
 
 namespace mixprec::kernels::row_norm {
 
-constexpr int kForwardWarps = 4;    // rows per forward block
-constexpr int kBackwardWarps = 8;   // most rows in flight per backward block
+constexpr int kForwardWarps = 4;   // rows per forward block
+constexpr int kBackwardWarps = 8;  // most rows in flight per backward block
 constexpr int kBackwardBlocksPerSM = 2;
 // Shared memory of one backward block: two blocks fit an H100/H200 SM (228 KB). A warp needs
 // `sets` x padded cols floats (LayerNorm 2: dw and db; RMSNorm 1), so LayerNorm takes up to 8
@@ -29,16 +29,12 @@ constexpr int kBackwardSmemBytes = 100 * 1024;
 // registers a stride in the forward (x) and 8 in the backward (x and dy).
 constexpr int kMaxRegisterStrides = 8;
 
-template <typename T>
-constexpr int row_vector() {
-  return vec_elems<T>();
-}
+template <typename T> constexpr int row_vector() { return vec_elems<T>(); }
 
 // A lane's columns are lane*V + k*32*V + j (k-th stride, j-th element of its vector). In the
 // backward's shared rows they sit at (k*V + j)*32 + lane: for each (k, j) the 32 lanes touch 32
 // consecutive words, one per bank.
-template <typename T>
-__device__ __forceinline__ int shared_slot(int k, int j, int lane) {
+template <typename T> __device__ __forceinline__ int shared_slot(int k, int j, int lane) {
   return (k * row_vector<T>() + j) * 32 + lane;
 }
 
@@ -65,7 +61,8 @@ inline int64_t backward_splits(DType dtype, int64_t rows, int64_t cols, int sets
   const int warps = std::max(1, backward_warps(dtype, cols, sets));  // cols within the family's limit: >= 1
   if (rows == 0) return 1;
   const int64_t blocks = (rows + warps - 1) / warps;
-  return std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(kBackwardBlocksPerSM) * current_sm_count()));
+  return std::max<int64_t>(1,
+                           std::min<int64_t>(blocks, static_cast<int64_t>(kBackwardBlocksPerSM) * current_sm_count()));
 }
 
 inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -73,8 +70,8 @@ inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<u
 // A lane's values of stride k of a row: unpacked from the words the kernel holds (kStrides > 0),
 // or loaded (kStrides == 0: any width, a second pass re-reads the row from the cache).
 template <typename T, int kStrides, int kWords>
-__device__ __forceinline__ void row_values(const uint4 (&words)[kWords], const T* row, int k, int c, int n,
-                                           bool vec_ok, float (&r)[row_vector<T>()]) {
+__device__ __forceinline__ void row_values(const uint4 (&words)[kWords], const T* row, int k, int c, int n, bool vec_ok,
+                                           float (&r)[row_vector<T>()]) {
   if constexpr (kStrides > 0) unpack_word<T>(words[k], 0, r);
   else load<T, row_vector<T>()>(row, c, n, vec_ok, r);
 }
@@ -112,8 +109,7 @@ __device__ __forceinline__ void backward_terms(const uint4 (&x_words)[kWords], c
 
 // The kernel instance for a row of `strides` strides: kernel_of(std::integral_constant<int, k>)
 // for k = strides from kMaxRegisterStrides down to 1, k = 0 (the any-width form) past them.
-template <int kStrides = kMaxRegisterStrides, typename KernelOf>
-auto kernel_for(int strides, KernelOf kernel_of) {
+template <int kStrides = kMaxRegisterStrides, typename KernelOf> auto kernel_for(int strides, KernelOf kernel_of) {
   if constexpr (kStrides == 0) {
     return kernel_of(std::integral_constant<int, 0>{});
   } else {
@@ -136,8 +132,7 @@ inline void allow_backward_shared_memory(const void* kernel) {
 }
 
 // A warp's shared rows, zeroed: `sets` rows of `padded` floats at shared + warp * sets * padded.
-template <int kSets>
-__device__ __forceinline__ float* warp_shared_rows(float* shared, int warp, int lane, int padded) {
+template <int kSets> __device__ __forceinline__ float* warp_shared_rows(float* shared, int warp, int lane, int padded) {
   float* rows = shared + static_cast<int64_t>(warp) * kSets * padded;
   for (int i = lane; i < kSets * padded; i += 32) rows[i] = 0.f;
   __syncwarp();
@@ -148,8 +143,8 @@ __device__ __forceinline__ float* warp_shared_rows(float* shared, int warp, int 
 // its warps' shared rows added in warp order, back in column order. Set s of split b goes to
 // partials[(s * splits + b) * cols + c] (column_sum.cuh's layout).
 template <typename T, int kSets>
-__device__ __forceinline__ void write_block_partials(const float* shared, int warps, int padded, int n,
-                                                     int64_t splits, float* partials) {
+__device__ __forceinline__ void write_block_partials(const float* shared, int warps, int padded, int n, int64_t splits,
+                                                     float* partials) {
   __syncthreads();
   constexpr int V = row_vector<T>();
   for (int c = threadIdx.x; c < n; c += blockDim.x) {
@@ -173,7 +168,8 @@ void launch_backward(Kernel kernel, const Params& p, DType dtype, bool vec_ok, v
                      cudaStream_t stream) {
   if (p.rows > 0) {
     const int warps = backward_warps(dtype, p.cols, kSets);
-    const size_t smem = p.partials != nullptr ? static_cast<size_t>(warps) * kSets * padded_cols(dtype, p.cols) * sizeof(float) : 0;
+    const size_t smem =
+        p.partials != nullptr ? static_cast<size_t>(warps) * kSets * padded_cols(dtype, p.cols) * sizeof(float) : 0;
     if (smem > 48 * 1024) allow_backward_shared_memory(reinterpret_cast<const void*>(kernel));
     kernel<<<static_cast<unsigned>(p.splits), warps * 32, smem, stream>>>(p, vec_ok);
     MIXPREC_CUDA_CHECK(cudaGetLastError());

@@ -9,8 +9,7 @@
 namespace mixprec::kernels {
 
 // TP: model param storage, TG: grad storage; momentum and master are float32. kStoreGrad: as AdamOp.
-template <typename TP, typename TG, bool kStoreGrad>
-struct SgdOp {
+template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
   SgdParams p;
 
   __device__ void operator()(const TensorTable<kSgdLists>& table, const ChunkCtx& ctx) const {

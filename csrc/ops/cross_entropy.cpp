@@ -40,17 +40,16 @@ void check_row_vector(const char* op, const char* arg, const at::Tensor& t, cons
 
 // The kernels index a row with int and launch one CUDA block per row.
 void check_extent(const char* op, const at::Tensor& logits) {
-  TORCH_CHECK_VALUE(logits.size(0) <= INT_MAX && logits.size(1) <= INT_MAX, arg_name(op, "logits"),
-                    " has shape ", shape(logits.sizes()), "; N and V must each be below 2^31");
+  TORCH_CHECK_VALUE(logits.size(0) <= INT_MAX && logits.size(1) <= INT_MAX, arg_name(op, "logits"), " has shape ",
+                    shape(logits.sizes()), "; N and V must each be below 2^31");
 }
 
 // Host-side look at every target (CPU only): the first one outside [0, V) that is not ignored.
 void check_target_values(const char* op, const at::Tensor& target, int64_t ignore_index, int64_t vocab) {
   const int64_t* t = target.data_ptr<int64_t>();
   for (int64_t i = 0; i < target.numel(); ++i)
-    TORCH_CHECK_INDEX(t[i] == ignore_index || kernels::target_in_range(t[i], vocab), arg_name(op, "target", i),
-                      " is ", num(t[i]), ", outside [0, ", num(vocab), ") and not ignore_index (",
-                      num(ignore_index), ")");
+    TORCH_CHECK_INDEX(t[i] == ignore_index || kernels::target_in_range(t[i], vocab), arg_name(op, "target", i), " is ",
+                      num(t[i]), ", outside [0, ", num(vocab), ") and not ignore_index (", num(ignore_index), ")");
 }
 
 }  // namespace

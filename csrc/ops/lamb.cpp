@@ -33,8 +33,8 @@ void check_norms_storage(const char* arg, const at::Tensor& t, const at::Device&
 // Checks that need no data: list lengths, the split step's norm shapes.
 void check_shapes(const LambInputs& in) {
   const int64_t n = static_cast<int64_t>(in.params.size());
-  for (const NamedList& l : {NamedList{"grads", in.grads}, NamedList{"exp_avgs", in.exp_avgs},
-                             NamedList{"exp_avg_sqs", in.exp_avg_sqs}})
+  for (const NamedList& l :
+       {NamedList{"grads", in.grads}, NamedList{"exp_avgs", in.exp_avgs}, NamedList{"exp_avg_sqs", in.exp_avg_sqs}})
     TORCH_CHECK_VALUE(static_cast<int64_t>(l.tensors.size()) == n, arg_name(kOp, l.name), " has ",
                       num(l.tensors.size()), " tensors but params has ", num(n));
   TORCH_CHECK_VALUE(in.master_params.empty() || static_cast<int64_t>(in.master_params.size()) == n,
@@ -61,7 +61,8 @@ void lamb_impl(const LambInputs& in, const LambRunners& run, bool validate_only)
   check_range(kOp, "max_grad_norm", a.max_grad_norm, 0.0, INFINITY);
   check_shapes(in);
   const bool trust_ratio = a.weight_decay != 0.0 || a.use_nvlamb;
-  TORCH_CHECK_VALUE(trust_ratio || !(local_norms || trust_norms), arg_name(kOp, local_norms ? "local_norms" : "trust_norms"),
+  TORCH_CHECK_VALUE(trust_ratio || !(local_norms || trust_norms),
+                    arg_name(kOp, local_norms ? "local_norms" : "trust_norms"),
                     ": a split step is for the trust ratio's norms, and this one takes none (weight_decay 0, "
                     "use_nvlamb false): it is one element-wise pass, call lamb_ once without them");
   if (nothing_to_step(kOp, in)) return;

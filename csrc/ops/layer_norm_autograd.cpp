@@ -2,9 +2,9 @@
 // layer_norm_backward, see kernels/layer_norm.h), with a C++ autograd node so that a step through
 // it costs the host what torch's own LayerNorm costs. Inputs the kernels do not take (float64,
 // or on CUDA a normalized size past kLayerNormMaxCudaCols) go to torch's LayerNorm instead.
+#include <c10/util/accumulate.h>
 #include <mixprec/ops.h>  // the forward and backward ops, called through the dispatcher
 #include <torch/autograd.h>
-#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include "kernels/layer_norm.h"

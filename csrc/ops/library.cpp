@@ -42,12 +42,16 @@ void add_extra(std::string& s, bool check, const char* name, const char* alias) 
 
 // A hyper-parameter with its declared default, as the schema parser reads it.
 void add_arg(std::string& s, const char* name, double v) {
-  std::string text = num(v);  // shortest round trip; "1e-08", "0.9", "0" ...
+  std::string text = num(v);                                       // shortest round trip; "1e-08", "0.9", "0" ...
   if (text.find_first_of(".e") == std::string::npos) text += ".";  // a float literal, not an int
   add(s, std::string("float ") + name + "=" + text);
 }
-void add_arg(std::string& s, const char* name, bool v) { add(s, std::string("bool ") + name + (v ? "=True" : "=False")); }
-void add_arg(std::string& s, const char* name, int64_t v) { add(s, std::string("int ") + name + "=" + std::to_string(v)); }
+void add_arg(std::string& s, const char* name, bool v) {
+  add(s, std::string("bool ") + name + (v ? "=True" : "=False"));
+}
+void add_arg(std::string& s, const char* name, int64_t v) {
+  add(s, std::string("int ") + name + "=" + std::to_string(v));
+}
 
 }  // namespace
 }  // namespace mixprec::detail
@@ -59,15 +63,15 @@ void add_arg(std::string& s, const char* name, int64_t v) { add(s, std::string("
 #define MIXPREC_SCHEMA_ARG(type, name, default_value) mixprec::detail::add_arg(s, #name, type(default_value));
 #define MIXPREC_SCHEMA_EXTRA(name, alias) mixprec::detail::add_extra(s, check, #name, alias);
 // Defines family `op`'s schema (`check`: its validate-only twin's) from its declaration.
-#define MIXPREC_DEF_OPTIM(op, Struct, MACRO)                                                                   \
-  {                                                                                                            \
-    std::string s;                                                                                             \
-    MIXPREC_##MACRO##_TENSORS(MIXPREC_SCHEMA_TENSOR)                                                           \
-    s += check ? ", Tensor? step_tensor, *, float lr" : ", Tensor(f!)? step_tensor, *, float lr";               \
-    MIXPREC_##MACRO##_ARGS(MIXPREC_SCHEMA_ARG)                                                                 \
-    s += ", int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None";              \
-    MIXPREC_##MACRO##_EXTRAS(MIXPREC_SCHEMA_EXTRA)                                                             \
-    m.def((std::string(#op) + (check ? "_check(" : "_(") + s + ") -> ()").c_str());                            \
+#define MIXPREC_DEF_OPTIM(op, Struct, MACRO)                                                     \
+  {                                                                                              \
+    std::string s;                                                                               \
+    MIXPREC_##MACRO##_TENSORS(MIXPREC_SCHEMA_TENSOR) s +=                                        \
+        check ? ", Tensor? step_tensor, *, float lr" : ", Tensor(f!)? step_tensor, *, float lr"; \
+    MIXPREC_##MACRO##_ARGS(MIXPREC_SCHEMA_ARG) s +=                                              \
+        ", int step=0, Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None"; \
+    MIXPREC_##MACRO##_EXTRAS(MIXPREC_SCHEMA_EXTRA)                                               \
+        m.def((std::string(#op) + (check ? "_check(" : "_(") + s + ") -> ()").c_str());          \
   }
 
 TORCH_LIBRARY(mixprec, m) {
@@ -136,7 +140,9 @@ TORCH_LIBRARY(mixprec, m) {
       "bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
   // torch.nn.functional.layer_norm on those two ops, differentiable; float64, and on CUDA a
   // normalized size past 12288, use torch's LayerNorm.
-  m.def("layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor");
+  m.def(
+      "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> "
+      "Tensor");
 
   // ---- RMSNorm over the last dimensions (kernels/rms_norm.*) -----------------------------------
   // input [..., *normalized_shape] contiguous fp32/fp16/bf16, weight shaped normalized_shape of its

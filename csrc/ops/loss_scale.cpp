@@ -61,7 +61,8 @@ void update_scale_impl(const at::Tensor& scale, const at::Tensor& growth_tracker
   if (skipped_steps) check_scalar_tensor(kOp, "skipped_steps", *skipped_steps, device, at::kLong);
   check_scalar_tensor(kOp, "found_inf", found_inf, device);
   TORCH_CHECK_VALUE(growth_factor > 0, arg_name(kOp, "growth_factor"), " must be positive, got ", num(growth_factor));
-  TORCH_CHECK_VALUE(backoff_factor > 0, arg_name(kOp, "backoff_factor"), " must be positive, got ", num(backoff_factor));
+  TORCH_CHECK_VALUE(backoff_factor > 0, arg_name(kOp, "backoff_factor"), " must be positive, got ",
+                    num(backoff_factor));
   TORCH_CHECK_VALUE(growth_interval >= 1 && growth_interval <= INT32_MAX, arg_name(kOp, "growth_interval"),
                     " must be a positive 32-bit integer, got ", num(growth_interval));
   TORCH_CHECK_VALUE(hysteresis >= 1 && hysteresis <= INT32_MAX, arg_name(kOp, "hysteresis"),

@@ -55,8 +55,8 @@ void check_list_length(const char* name, int64_t got, int64_t n, const char* hin
 void check_per_tensor_shape(const char* arg, const at::Tensor& t, int64_t n, const char* meaning) {
   const std::string what = arg_name(kOp, arg);
   TORCH_CHECK(t.defined(), what, " is undefined");
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_numel() == n, what, " must have shape [", num(n), "] (", meaning,
-                    "), got ", shape(t.sym_sizes()));
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_numel() == n, what, " must have shape [", num(n), "] (", meaning, "), got ",
+                    shape(t.sym_sizes()));
 }
 
 // ... and its storage, once the op's device is known.

@@ -47,7 +47,8 @@ kernels::StepScalars step_scalars(const char* op, const at::Device& device, cons
 
 void check_range(const char* op, const char* name, double v, double lo, double hi, bool hi_open) {
   const bool ok = v >= lo && (hi_open ? v < hi : v <= hi);
-  TORCH_CHECK_VALUE(ok, arg_name(op, name), " must be in [", num(lo), ", ", num(hi), hi_open ? ")" : "]", ", got ", num(v));
+  TORCH_CHECK_VALUE(ok, arg_name(op, name), " must be in [", num(lo), ", ", num(hi), hi_open ? ")" : "]", ", got ",
+                    num(v));
 }
 
 void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, const NamedList* like) {
@@ -56,11 +57,12 @@ void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, 
     if (!t.defined()) continue;  // reported by pack_lists with its index
     const auto dt = t.scalar_type();
     const bool ok = dt == at::kFloat || (allow_bf16 && dt == at::kBFloat16);
-    TORCH_CHECK_TYPE(ok, arg_name(op, list.name, static_cast<int64_t>(i)), " has dtype ", dt, "; optimizer state must be float32",
-                     allow_bf16 ? " or bfloat16" : "");
+    TORCH_CHECK_TYPE(ok, arg_name(op, list.name, static_cast<int64_t>(i)), " has dtype ", dt,
+                     "; optimizer state must be float32", allow_bf16 ? " or bfloat16" : "");
     if (like != nullptr && i < like->tensors.size() && like->tensors[i].defined())
-      TORCH_CHECK_TYPE(dt == like->tensors[i].scalar_type(), arg_name(op, list.name, static_cast<int64_t>(i)), " has dtype ",
-                       dt, " but ", arg_name(op, like->name, static_cast<int64_t>(i)), " has ", like->tensors[i].scalar_type());
+      TORCH_CHECK_TYPE(dt == like->tensors[i].scalar_type(), arg_name(op, list.name, static_cast<int64_t>(i)),
+                       " has dtype ", dt, " but ", arg_name(op, like->name, static_cast<int64_t>(i)), " has ",
+                       like->tensors[i].scalar_type());
   }
 }
 

@@ -44,8 +44,8 @@ void check_weight(const char* op, const std::optional<at::Tensor>& t, const at::
                   at::IntArrayRef normalized_shape) {
   if (!t.has_value() || !t->defined()) return;
   const std::string what = arg_name(op, "weight");
-  TORCH_CHECK_VALUE(same_shape(t->sym_sizes(), normalized_shape), what, " must have shape ",
-                    "normalized_shape ", shape(normalized_shape), ", got ", shape(t->sym_sizes()));
+  TORCH_CHECK_VALUE(same_shape(t->sym_sizes(), normalized_shape), what, " must have shape ", "normalized_shape ",
+                    shape(normalized_shape), ", got ", shape(t->sym_sizes()));
   TORCH_CHECK_TYPE(t->scalar_type() == input.scalar_type() || t->scalar_type() == at::kFloat, what, " is ",
                    t->scalar_type(), " but input is ", input.scalar_type(), "; expected ", input.scalar_type(),
                    " or float32");
@@ -81,7 +81,8 @@ void check_rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& input
   const std::string g = arg_name(kBackward, "grad_out");
   TORCH_CHECK_TYPE(grad_out.scalar_type() == input.scalar_type(), g, " is ", grad_out.scalar_type(), " but input is ",
                    input.scalar_type(), "; both must have one dtype");
-  TORCH_CHECK(grad_out.device() == input.device(), g, " is on ", grad_out.device(), " but input is on ", input.device());
+  TORCH_CHECK(grad_out.device() == input.device(), g, " is on ", grad_out.device(), " but input is on ",
+              input.device());
   TORCH_CHECK_VALUE(grad_out.sym_sizes() == input.sym_sizes(), g, " has shape ", shape(grad_out.sym_sizes()),
                     " but input has shape ", shape(input.sym_sizes()));
   const std::string r = arg_name(kBackward, "rstd");
@@ -89,8 +90,9 @@ void check_rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& input
   TORCH_CHECK_TYPE(rstd.scalar_type() == at::kFloat, r, " must be float32 (rms_norm_forward's), got ",
                    rstd.scalar_type());
   const auto stat = rms_norm_stat_shape(input, normalized_shape);
-  TORCH_CHECK_VALUE(rstd.sym_sizes() == c10::SymIntArrayRef(stat), r, " must have shape ", shape(c10::SymIntArrayRef(stat)),
-                    " (input's dimensions before normalized_shape), got ", shape(rstd.sym_sizes()));
+  TORCH_CHECK_VALUE(rstd.sym_sizes() == c10::SymIntArrayRef(stat), r, " must have shape ",
+                    shape(c10::SymIntArrayRef(stat)), " (input's dimensions before normalized_shape), got ",
+                    shape(rstd.sym_sizes()));
   TORCH_CHECK(rstd.device() == input.device(), r, " is on ", rstd.device(), " but input is on ", input.device());
   TORCH_CHECK(rstd.is_contiguous(), r, " is not contiguous");
   check_weight(kBackward, weight, input, normalized_shape);

@@ -22,10 +22,14 @@ using torch::autograd::variable_list;
 double eps_or_default(const at::Tensor& input, std::optional<double> eps) {
   if (eps.has_value()) return *eps;
   switch (input.scalar_type()) {
-    case at::kHalf: return std::numeric_limits<c10::Half>::epsilon();
-    case at::kBFloat16: return std::numeric_limits<c10::BFloat16>::epsilon();
-    case at::kDouble: return std::numeric_limits<double>::epsilon();
-    default: return std::numeric_limits<float>::epsilon();
+    case at::kHalf:
+      return std::numeric_limits<c10::Half>::epsilon();
+    case at::kBFloat16:
+      return std::numeric_limits<c10::BFloat16>::epsilon();
+    case at::kDouble:
+      return std::numeric_limits<double>::epsilon();
+    default:
+      return std::numeric_limits<float>::epsilon();
   }
 }
 

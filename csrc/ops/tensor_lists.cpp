@@ -15,9 +15,12 @@ std::string arg_name(const char* op, const char* arg, int64_t index) {
 
 kernels::DType kernel_dtype(const at::Tensor& t, const std::string& what) {
   switch (t.scalar_type()) {
-    case at::kFloat: return kernels::DType::kFloat32;
-    case at::kHalf: return kernels::DType::kFloat16;
-    case at::kBFloat16: return kernels::DType::kBFloat16;
+    case at::kFloat:
+      return kernels::DType::kFloat32;
+    case at::kHalf:
+      return kernels::DType::kFloat16;
+    case at::kBFloat16:
+      return kernels::DType::kBFloat16;
     default:
       TORCH_CHECK_TYPE(false, what, " has dtype ", t.scalar_type(), "; expected float32, float16 or bfloat16");
   }
@@ -99,8 +102,7 @@ void check_no_overlap(const char* op, const std::vector<NamedList>& lists) {
   }
 }
 
-PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device,
-                       PackRules rules) {
+PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device, PackRules rules) {
   TORCH_INTERNAL_ASSERT(!lists.empty() && lists.size() <= static_cast<size_t>(kernels::kMaxLists));
   const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
   for (const NamedList& l : lists)
@@ -120,7 +122,8 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
         TORCH_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's multi-tensor ops need contiguous tensors");
       }
       TORCH_CHECK(t.is_non_overlapping_and_dense(), what, " has strides ", shape(t.strides()), " for shape ",
-                  shape(t.sizes()), ", which skip or repeat memory; mixprec's multi-tensor ops need dense tensors "
+                  shape(t.sizes()),
+                  ", which skip or repeat memory; mixprec's multi-tensor ops need dense tensors "
                   "(contiguous, channels_last or any permutation of dimensions): pass .contiguous()");
       if (k == 0) continue;
       const at::Tensor& ref = lists[0].tensors[i];
@@ -129,7 +132,8 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
                         " has shape ", shape(ref.sizes()));
       TORCH_CHECK_VALUE(same_layout(t, ref), what, " has strides ", shape(t.strides()), " but ", ref_name,
                         " has strides ", shape(ref.strides()), "; every tensor of one entry needs the layout of ",
-                        std::string(lists[0].name), "[i] (e.g. p.grad = torch.empty_like(p).copy_(p.grad), or make the state "
+                        std::string(lists[0].name),
+                        "[i] (e.g. p.grad = torch.empty_like(p).copy_(p.grad), or make the state "
                         "with torch.zeros_like(p))");
     }
   }

@@ -116,8 +116,8 @@ int main(int argc, char** argv) {
   std::printf("done: loss %.5f -> %.5f, %lld skipped steps, mean step %.3f ms\n", first_loss, last_loss,
               static_cast<long long>(scaler.skipped_steps()), timed ? total_ms / timed : 0.0);
   const auto masters = optimizer.master_params();
-  std::printf("first layer: model weight %s, master weight %s\n",
-              c10::toString(model->parameters()[0].scalar_type()), c10::toString(masters[0].scalar_type()));
+  std::printf("first layer: model weight %s, master weight %s\n", c10::toString(model->parameters()[0].scalar_type()),
+              c10::toString(masters[0].scalar_type()));
   if (!(last_loss < 0.5 * first_loss)) {
     std::fprintf(stderr, "training did not reduce the loss enough\n");
     return 1;

@@ -30,7 +30,8 @@ inline std::vector<at::Tensor> copies(const std::vector<at::Tensor>& ps) {
 // Fresh random gradients, one per param in its dtype, times `factor`.
 inline std::vector<at::Tensor> random_grads(const std::vector<at::Tensor>& ps, double factor = 1.0) {
   std::vector<at::Tensor> gs;
-  for (const auto& p : ps) gs.push_back((random_tensor(p.sizes(), at::kFloat, p.device()) * factor).to(p.scalar_type()));
+  for (const auto& p : ps)
+    gs.push_back((random_tensor(p.sizes(), at::kFloat, p.device()) * factor).to(p.scalar_type()));
   return gs;
 }
 
@@ -63,8 +64,7 @@ inline std::vector<double> all_lrs(const torch::optim::Optimizer& opt) {
   return out;
 }
 
-template <class T>
-std::string save_to_string(const T& obj) {
+template <class T> std::string save_to_string(const T& obj) {
   torch::serialize::OutputArchive archive;
   obj.save(archive);
   std::ostringstream os;
@@ -72,8 +72,7 @@ std::string save_to_string(const T& obj) {
   return os.str();
 }
 
-template <class T>
-void load_from_string(T& obj, const std::string& bytes) {
+template <class T> void load_from_string(T& obj, const std::string& bytes) {
   torch::serialize::InputArchive archive;
   std::istringstream is(bytes);
   archive.load_from(is);

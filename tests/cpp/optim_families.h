@@ -25,22 +25,22 @@ struct Family {
 inline std::vector<Family> families() {
   using namespace mixprec::optim;
   return {
-      {"mixprec::sgd_", [](const Groups& g) {
+      {"mixprec::sgd_",
+       [](const Groups& g) {
          return std::make_unique<FusedSGD>(g, FusedSGDOptions(0.05).momentum(0.9).master_weights(true));
        }},
-      {"mixprec::adam_", [](const Groups& g) {
-         return std::make_unique<FusedAdam>(g, FusedAdamOptions(1e-3).master_weights(true));
-       }},
-      {"mixprec::adam_", [](const Groups& g) {
-         return std::make_unique<FusedAdamW>(g, FusedAdamWOptions(1e-3).master_weights(true));
-       }},
-      {"mixprec::adagrad_", [](const Groups& g) {
+      {"mixprec::adam_",
+       [](const Groups& g) { return std::make_unique<FusedAdam>(g, FusedAdamOptions(1e-3).master_weights(true)); }},
+      {"mixprec::adam_",
+       [](const Groups& g) { return std::make_unique<FusedAdamW>(g, FusedAdamWOptions(1e-3).master_weights(true)); }},
+      {"mixprec::adagrad_",
+       [](const Groups& g) {
          return std::make_unique<FusedAdagrad>(g, FusedAdagradOptions(0.05).master_weights(true));
        }},
-      {"mixprec::lamb_", [](const Groups& g) {
-         return std::make_unique<FusedLAMB>(g, FusedLAMBOptions(0.01).master_weights(true));
-       }},
-      {"mixprec::novograd_", [](const Groups& g) {
+      {"mixprec::lamb_",
+       [](const Groups& g) { return std::make_unique<FusedLAMB>(g, FusedLAMBOptions(0.01).master_weights(true)); }},
+      {"mixprec::novograd_",
+       [](const Groups& g) {
          return std::make_unique<FusedNovoGrad>(g, FusedNovoGradOptions(0.01).master_weights(true));
        }},
   };
@@ -48,8 +48,8 @@ inline std::vector<Family> families() {
 
 inline bool has_kernel(const char* op, c10::DeviceType device) {
   const auto handle = c10::Dispatcher::singleton().findSchema({op, ""});
-  return handle && handle->hasKernelForDispatchKey(device == c10::kCUDA ? c10::DispatchKey::CUDA
-                                                                         : c10::DispatchKey::CPU);
+  return handle &&
+         handle->hasKernelForDispatchKey(device == c10::kCUDA ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU);
 }
 
 // A DeviceTest whose for_each_family(check) runs `check` for every family that has a kernel on

@@ -52,8 +52,7 @@ inline void fixed_step(FusedOptimizer& opt, const Params& ps, int step) {
   const auto all = ps.all();
   for (size_t i = 0; i < all.size(); ++i) {
     at::Tensor& g = all[i].mutable_grad();
-    g = (step == 1 && i == 3) ? at::Tensor()
-                              : fixed_tensor(all[i].sizes(), all[i].scalar_type(), 100 * (step + 1) + i);
+    g = (step == 1 && i == 3) ? at::Tensor() : fixed_tensor(all[i].sizes(), all[i].scalar_type(), 100 * (step + 1) + i);
   }
   opt.step();
 }
@@ -94,37 +93,72 @@ inline std::vector<Scenario> all_scenarios() {
   using namespace mixprec::optim;
   return {
       scenario<FusedAdam>("adam",
-                          FusedAdamOptions(0.02).betas({0.8, 0.95}).eps(1e-6).weight_decay(0.05).amsgrad(true)
-                              .adam_w_mode(false).master_weights(true),
-                          {FusedAdamOptions(0.03).betas({0.85, 0.99}).eps(1e-7).weight_decay(0.1)
-                               .bias_correction(false).maximize(true).master_weights(true)
+                          FusedAdamOptions(0.02)
+                              .betas({0.8, 0.95})
+                              .eps(1e-6)
+                              .weight_decay(0.05)
+                              .amsgrad(true)
+                              .adam_w_mode(false)
+                              .master_weights(true),
+                          {FusedAdamOptions(0.03)
+                               .betas({0.85, 0.99})
+                               .eps(1e-7)
+                               .weight_decay(0.1)
+                               .bias_correction(false)
+                               .maximize(true)
+                               .master_weights(true)
                                .state_dtype(c10::kBFloat16)}),
-      scenario<FusedAdamW>("adamw",
-                           FusedAdamWOptions(0.02).betas({0.7, 0.9}).weight_decay(0.2).amsgrad(true)
-                               .master_weights(true),
-                           {FusedAdamOptions(0.01).eps(1e-5).bias_correction(false).maximize(true)
-                                .master_weights(true).state_dtype(c10::kBFloat16)},
-                           FusedAdamOptions(FusedAdamWOptions())),
-      scenario<FusedSGD>("sgd", FusedSGDOptions(0.05).momentum(0.9).weight_decay(0.01).master_weights(true),
-                         {FusedSGDOptions(0.03).momentum(0.7).nesterov(true),
-                          FusedSGDOptions(0.04).momentum(0.8).dampening(0.1).weight_decay(0.02)
-                              .wd_after_momentum(true).maximize(true)},
-                         FusedSGDOptions(0.0)),
+      scenario<FusedAdamW>(
+          "adamw", FusedAdamWOptions(0.02).betas({0.7, 0.9}).weight_decay(0.2).amsgrad(true).master_weights(true),
+          {FusedAdamOptions(0.01).eps(1e-5).bias_correction(false).maximize(true).master_weights(true).state_dtype(
+              c10::kBFloat16)},
+          FusedAdamOptions(FusedAdamWOptions())),
+      scenario<FusedSGD>(
+          "sgd", FusedSGDOptions(0.05).momentum(0.9).weight_decay(0.01).master_weights(true),
+          {FusedSGDOptions(0.03).momentum(0.7).nesterov(true),
+           FusedSGDOptions(0.04).momentum(0.8).dampening(0.1).weight_decay(0.02).wd_after_momentum(true).maximize(
+               true)},
+          FusedSGDOptions(0.0)),
       scenario<FusedLAMB>("lamb",
-                          FusedLAMBOptions(0.02).betas({0.8, 0.95}).eps(1e-5).weight_decay(0.03)
-                              .bias_correction(false).max_grad_norm(0.5).use_nvlamb(true).master_weights(true),
-                          {FusedLAMBOptions(0.03).betas({0.85, 0.99}).weight_decay(0.0).grad_averaging(false)
-                               .adam_w_mode(false).max_grad_norm(0.0).master_weights(true)}),
-      scenario<FusedAdagrad>("adagrad",
-                             FusedAdagradOptions(0.05).eps(1e-8).weight_decay(0.01).lr_decay(0.1)
-                                 .initial_accumulator_value(0.2).master_weights(true),
-                             {FusedAdagradOptions(0.04).weight_decay(0.02).adagrad_w_mode(true).maximize(true)
-                                  .master_weights(true)}),
+                          FusedLAMBOptions(0.02)
+                              .betas({0.8, 0.95})
+                              .eps(1e-5)
+                              .weight_decay(0.03)
+                              .bias_correction(false)
+                              .max_grad_norm(0.5)
+                              .use_nvlamb(true)
+                              .master_weights(true),
+                          {FusedLAMBOptions(0.03)
+                               .betas({0.85, 0.99})
+                               .weight_decay(0.0)
+                               .grad_averaging(false)
+                               .adam_w_mode(false)
+                               .max_grad_norm(0.0)
+                               .master_weights(true)}),
+      scenario<FusedAdagrad>(
+          "adagrad",
+          FusedAdagradOptions(0.05)
+              .eps(1e-8)
+              .weight_decay(0.01)
+              .lr_decay(0.1)
+              .initial_accumulator_value(0.2)
+              .master_weights(true),
+          {FusedAdagradOptions(0.04).weight_decay(0.02).adagrad_w_mode(true).maximize(true).master_weights(true)}),
       scenario<FusedNovoGrad>("novograd",
-                              FusedNovoGradOptions(0.02).betas({0.8, 0.95}).eps(1e-6).weight_decay(0.01)
-                                  .bias_correction(false).reg_inside_moment(true).master_weights(true),
-                              {FusedNovoGradOptions(0.03).betas({0.85, 0.98}).weight_decay(0.02)
-                                   .grad_averaging(false).norm_type(0.0).init_zero(true).master_weights(true)}),
+                              FusedNovoGradOptions(0.02)
+                                  .betas({0.8, 0.95})
+                                  .eps(1e-6)
+                                  .weight_decay(0.01)
+                                  .bias_correction(false)
+                                  .reg_inside_moment(true)
+                                  .master_weights(true),
+                              {FusedNovoGradOptions(0.03)
+                                   .betas({0.85, 0.98})
+                                   .weight_decay(0.02)
+                                   .grad_averaging(false)
+                                   .norm_type(0.0)
+                                   .init_zero(true)
+                                   .master_weights(true)}),
   };
 }
 

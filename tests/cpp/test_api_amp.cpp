@@ -174,8 +174,11 @@ TEST_P(ApiOptLevels, O0O1O3AndOverrides) {
   {  // keep_fp32 keeps a named module; keep_batchnorm_fp32(false) casts BatchNorm too
     auto net = small_net();
     net->to(device());
-    mixprec::amp::initialize(*net, AmpOptions(OptLevel::O2).keep_batchnorm_fp32(false).master_weights(false).keep_fp32(
-                                       [](const std::string& name, const torch::nn::Module&) { return name == "3"; }));
+    mixprec::amp::initialize(
+        *net, AmpOptions(OptLevel::O2)
+                  .keep_batchnorm_fp32(false)
+                  .master_weights(false)
+                  .keep_fp32([](const std::string& name, const torch::nn::Module&) { return name == "3"; }));
     for (const auto& kv : net->named_parameters())
       EXPECT_EQ(kv.value().scalar_type(), kv.key().rfind("3.", 0) == 0 ? at::kFloat : at::kHalf) << kv.key();
   }
@@ -197,7 +200,8 @@ TEST_P(ApiOptLevels, ErrorsAndAModuleNotOwnedByASharedPtr) {
   torch::optim::SGD sgd(net.parameters(), torch::optim::SGDOptions(0.1));
   expect_c10_error([&] { mixprec::amp::initialize(net, sgd, AmpOptions(OptLevel::O2)); },
                    {"initialize", "mixprec::optim fused optimizer"});
-  for (const auto& p : net.parameters()) EXPECT_EQ(p.scalar_type(), at::kFloat) << "a refused initialize cast the model";
+  for (const auto& p : net.parameters())
+    EXPECT_EQ(p.scalar_type(), at::kFloat) << "a refused initialize cast the model";
   expect_c10_error([&] { mixprec::amp::initialize(net, AmpOptions(OptLevel::O2, at::kFloat)); }, {"dtype"});
   expect_c10_error([&] { mixprec::amp::initialize(net, AmpOptions(OptLevel::O1).master_weights(true)); }, {"O1"});
   expect_c10_error([&] { mixprec::amp::initialize(net, AmpOptions(OptLevel::O0).master_weights(true)); },

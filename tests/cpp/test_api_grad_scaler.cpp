@@ -90,14 +90,16 @@ TEST_P(ApiGradScaler, FusedOptimizerStepsLikeUnscaledAndSkipsOverflowOnTheDevice
       plain.step();
     }
     // Power-of-two scale: unscaling in the kernel is exact, so the runs agree bit for bit.
-    for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(bitwise_equal(ps[i].detach(), ref[i].detach())) << dtype << " " << i;
+    for (size_t i = 0; i < ps.size(); ++i)
+      EXPECT_TRUE(bitwise_equal(ps[i].detach(), ref[i].detach())) << dtype << " " << i;
     EXPECT_FALSE(opt.grad_scaling().grad_scale.has_value()) << "the scaler must clear what it handed over";
 
     // An overflow: nothing changes, the scale backs off, the skip is counted.
     std::vector<at::Tensor> before;
     for (const auto& p : ps) {
       before.push_back(p.detach().clone());
-      for (const auto& kv : static_cast<FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).defined_tensors())
+      for (const auto& kv :
+           static_cast<FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).defined_tensors())
         before.push_back(kv.second.clone());
     }
     const at::Tensor step_before = opt.step_count_tensor(0).clone();
@@ -109,7 +111,8 @@ TEST_P(ApiGradScaler, FusedOptimizerStepsLikeUnscaledAndSkipsOverflowOnTheDevice
     std::vector<at::Tensor> after;
     for (const auto& p : ps) {
       after.push_back(p.detach());
-      for (const auto& kv : static_cast<FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).defined_tensors())
+      for (const auto& kv :
+           static_cast<FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl())).defined_tensors())
         after.push_back(kv.second);
     }
     expect_unchanged(after, before, "overflowing step");
@@ -130,7 +133,8 @@ TEST_P(ApiGradScaler, UnscaleThenStepDoesNotUnscaleTwice) {
   set_grads(ps, gs, 256.0);
   set_grads(ref, gs, 1.0);
   scaler.unscale_(opt);
-  for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(bitwise_equal(ps[i].grad(), ref[i].grad())) << "unscaled grad " << i;
+  for (size_t i = 0; i < ps.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(ps[i].grad(), ref[i].grad())) << "unscaled grad " << i;
   scaler.step(opt);
   scaler.update();
   plain.step();
@@ -154,9 +158,8 @@ TEST_P(ApiGradScaler, TorchOptimizersAreUnscaledInPlaceAndSkippedOnOverflow) {
   }
   for (size_t i = 0; i < ps.size(); ++i) EXPECT_TRUE(bitwise_equal(ps[i].detach(), ref[i].detach())) << i;
   const auto before = clone_all({ps[0].detach(), ps[1].detach()});
-  const at::Tensor buffer = static_cast<torch::optim::SGDParamState&>(*opt.state().at(ps[0].unsafeGetTensorImpl()))
-                                .momentum_buffer()
-                                .clone();
+  const at::Tensor buffer =
+      static_cast<torch::optim::SGDParamState&>(*opt.state().at(ps[0].unsafeGetTensorImpl())).momentum_buffer().clone();
   scaler.scale(a_loss(device()));
   set_grads(ps, random_grads(ps), 4096.0);
   inject(ps[0].grad(), {0}, kNaN);
@@ -164,7 +167,8 @@ TEST_P(ApiGradScaler, TorchOptimizersAreUnscaledInPlaceAndSkippedOnOverflow) {
   scaler.update();
   expect_unchanged({ps[0].detach(), ps[1].detach()}, before, "params after a skipped torch::optim step");
   EXPECT_TRUE(bitwise_equal(
-      static_cast<torch::optim::SGDParamState&>(*opt.state().at(ps[0].unsafeGetTensorImpl())).momentum_buffer(), buffer));
+      static_cast<torch::optim::SGDParamState&>(*opt.state().at(ps[0].unsafeGetTensorImpl())).momentum_buffer(),
+      buffer));
   EXPECT_EQ(scaler.get_scale(), 2048.0);
   EXPECT_EQ(scaler.skipped_steps(), 1);
 }
@@ -184,7 +188,8 @@ TEST_P(ApiGradScaler, OverflowInAnyGradientDtypeOrLayoutIsFound) {
     for (const auto& p : ps) p.mutable_grad() = random_tensor(p.sizes(), p.scalar_type(), device());
     strided.mutable_grad() = random_tensor({6, 8}, at::kFloat, device()).t();  // non-contiguous
     fill_last(ps[bad].grad(), kInf);
-    const auto before = clone_all(std::vector<at::Tensor>{half.detach(), bf16.detach(), fp64.detach(), strided.detach()});
+    const auto before =
+        clone_all(std::vector<at::Tensor>{half.detach(), bf16.detach(), fp64.detach(), strided.detach()});
     scaler.step(opt);
     scaler.update();
     EXPECT_EQ(scaler.skipped_steps(), 1) << "inf in param " << bad << " was not found";

@@ -30,7 +30,8 @@ at::Tensor a_loss(const c10::Device& device) { return torch::ones({}, at::Tensor
 struct ScalerState {
   double scale;
   int64_t growth, skipped;
-  explicit ScalerState(const GradScaler& s) : scale(s.get_scale()), growth(s.growth_tracker()), skipped(s.skipped_steps()) {}
+  explicit ScalerState(const GradScaler& s)
+      : scale(s.get_scale()), growth(s.growth_tracker()), skipped(s.skipped_steps()) {}
   void expect_same(const GradScaler& s) const {
     EXPECT_TRUE(s.get_scale() == scale || (std::isnan(scale) && std::isnan(s.get_scale())));
     EXPECT_EQ(s.growth_tracker(), growth);
@@ -90,8 +91,8 @@ TEST_P(ApiGradScalerMisuse, UpdateWithABadNewScaleChangesNothing) {
   scaler.step(opt);
   const ScalerState before(scaler);
   for (const double bad : {kNaN, kInf, -kInf, 0.0, -0.0, -8.0, 1e-40, 1e39}) {
-    expect_c10_error([&] { scaler.update(bad); }, {"mixprec::amp::GradScaler.update: invalid new_scale",
-                                                   "expected a normal float32"});
+    expect_c10_error([&] { scaler.update(bad); },
+                     {"mixprec::amp::GradScaler.update: invalid new_scale", "expected a normal float32"});
     before.expect_same(scaler);
   }
   scaler.update(64.0);  // the iteration's record survived the refusals
@@ -101,7 +102,8 @@ TEST_P(ApiGradScalerMisuse, UpdateWithABadNewScaleChangesNothing) {
   // Outside the scaler's own bounds.
   GradScaler bounded(GradScalerOptions().init_scale(256.0).min_scale(16.0).max_scale(1024.0));
   bounded.scale(a_loss(device()));
-  expect_c10_error([&] { bounded.update(2048.0); }, {"GradScaler.update: invalid new_scale 2048;", "<= max_scale (1024)"});
+  expect_c10_error([&] { bounded.update(2048.0); },
+                   {"GradScaler.update: invalid new_scale 2048;", "<= max_scale (1024)"});
   expect_c10_error([&] { bounded.update(8.0); }, {"GradScaler.update: invalid new_scale 8;", ">= min_scale (16)"});
   EXPECT_EQ(bounded.get_scale(), 256.0);
 }

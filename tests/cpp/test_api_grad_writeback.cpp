@@ -56,8 +56,9 @@ TEST_P(ApiGradWriteback, FusedAdamLeavesGradsUnscaledAndSkipsLeaveThemAlone) {
       for (const auto& p : ps) {
         before.push_back(p.grad().clone());
         before.push_back(p.detach().clone());
-        for (const auto& kv : static_cast<mixprec::optim::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()))
-                                  .defined_tensors())
+        for (const auto& kv :
+             static_cast<mixprec::optim::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()))
+                 .defined_tensors())
           before.push_back(kv.second.clone());
       }
       scaler.step(opt);
@@ -66,8 +67,9 @@ TEST_P(ApiGradWriteback, FusedAdamLeavesGradsUnscaledAndSkipsLeaveThemAlone) {
       for (const auto& p : ps) {
         after.push_back(p.grad());
         after.push_back(p.detach());
-        for (const auto& kv : static_cast<mixprec::optim::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()))
-                                  .defined_tensors())
+        for (const auto& kv :
+             static_cast<mixprec::optim::FusedAdamParamState&>(*opt.state().at(p.unsafeGetTensorImpl()))
+                 .defined_tensors())
           after.push_back(kv.second);
       }
       expect_unchanged(after, before, "skipped step");

@@ -53,9 +53,7 @@ void set_grads(const std::vector<at::Tensor>& ps, const std::vector<at::Tensor>&
   for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = (gs[i] * factor).to(ps[i].scalar_type());
 }
 
-
-template <class State, class Opt>
-State& torch_state(Opt& opt, const at::Tensor& p) {
+template <class State, class Opt> State& torch_state(Opt& opt, const at::Tensor& p) {
   return static_cast<State&>(*opt.state().at(p.unsafeGetTensorImpl()));
 }
 
@@ -70,7 +68,8 @@ TEST_P(ApiAdam, AdamWMatchesTorchAdamWInFloat64) {
     auto ref = copies(ps, at::kDouble);
     const double lr = 0.05, wd = std::uniform_real_distribution<double>(0.01, 0.2)(rng);
     FusedAdamW ours(ps, FusedAdamWOptions(lr).weight_decay(wd).betas({0.8, 0.95}).eps(1e-6).amsgrad(amsgrad));
-    torch::optim::AdamW peer(ref, torch::optim::AdamWOptions(lr).weight_decay(wd).betas({0.8, 0.95}).eps(1e-6).amsgrad(amsgrad));
+    torch::optim::AdamW peer(
+        ref, torch::optim::AdamWOptions(lr).weight_decay(wd).betas({0.8, 0.95}).eps(1e-6).amsgrad(amsgrad));
     for (int step = 0; step < 5; ++step) {
       const auto gs = random_grads(ps, at::kFloat);
       set_grads(ps, gs);
@@ -154,8 +153,8 @@ TEST_P(ApiAdam, MasterWeightsFollowFloat64ReferenceAndRoundIntoTheModel) {
     EXPECT_LT(displacement_err(masters, ref, start), 1e-5) << dtype << " masters";
     for (size_t i = 0; i < ps.size(); ++i) {
       ASSERT_EQ(masters[i].scalar_type(), at::kFloat);
-      EXPECT_TRUE(bitwise_equal(ps[i].detach(), masters[i].to(dtype))) << dtype << " param " << i
-                                                                       << " is not its master's rounding";
+      EXPECT_TRUE(bitwise_equal(ps[i].detach(), masters[i].to(dtype)))
+          << dtype << " param " << i << " is not its master's rounding";
     }
   }
 }
@@ -328,7 +327,8 @@ TEST_P(ApiAdam, CheckpointRoundTripContinuesBitIdentically) {
     auto b = copies(a, dtype);
     std::vector<torch::optim::OptimizerParamGroup> ga, gb;
     ga.emplace_back(std::vector<at::Tensor>{a[0], a[1], a[2]});
-    ga.emplace_back(std::vector<at::Tensor>{a[3], a[4]}, std::make_unique<FusedAdamOptions>(FusedAdamOptions(0.03).amsgrad(true)));
+    ga.emplace_back(std::vector<at::Tensor>{a[3], a[4]},
+                    std::make_unique<FusedAdamOptions>(FusedAdamOptions(0.03).amsgrad(true)));
     gb.emplace_back(std::vector<at::Tensor>{b[0], b[1], b[2]});
     gb.emplace_back(std::vector<at::Tensor>{b[3], b[4]});  // options come from the checkpoint
     FusedAdamW original(ga, FusedAdamWOptions(0.01).master_weights(dtype != at::kFloat));
@@ -370,7 +370,8 @@ struct Snapshot {
         step(o.step_count_tensor(0).clone()) {}
   void expect_same(FusedAdamW& o, const at::Tensor& p) const {
     EXPECT_EQ(o.param_groups()[0].options().get_lr(), lr);
-    EXPECT_TRUE(bitwise_equal(static_cast<FusedAdamParamState&>(*o.state().at(p.unsafeGetTensorImpl())).exp_avg(), exp_avg));
+    EXPECT_TRUE(
+        bitwise_equal(static_cast<FusedAdamParamState&>(*o.state().at(p.unsafeGetTensorImpl())).exp_avg(), exp_avg));
     EXPECT_TRUE(bitwise_equal(o.step_count_tensor(0), step));
   }
 };
@@ -405,7 +406,8 @@ TEST_P(ApiAdam, CorruptOrForeignCheckpointsAreRefusedAndChangeNothing) {
   expect_c10_error([&] { load_from_string(target, save_to_string(plain_adam)); }, {"FusedAdamW.load", "FusedAdam"});
   expect_c10_error([&] { load_from_string(target, save_to_string(torch_adamw)); },
                    {"FusedAdamW.load", "not a mixprec optimizer checkpoint"});
-  expect_c10_error([&] { load_from_string(target, save_to_string(two_groups)); }, {"FusedAdamW.load", "2 param groups"});
+  expect_c10_error([&] { load_from_string(target, save_to_string(two_groups)); },
+                   {"FusedAdamW.load", "2 param groups"});
   snap.expect_same(target, ps[0]);
 
   // An fp16 model whose checkpoint lacks masters although master weights are on.

@@ -27,9 +27,9 @@ bool has_kernel(const char* op, c10::DeviceType device) {
   return handle->hasKernelForDispatchKey(device == c10::kCUDA ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU);
 }
 
-#define SKIP_WITHOUT_KERNEL(op)                                                                      \
-  do {                                                                                               \
-    if (!has_kernel("mixprec::" op, GetParam()))                                                     \
+#define SKIP_WITHOUT_KERNEL(op)                                                                           \
+  do {                                                                                                    \
+    if (!has_kernel("mixprec::" op, GetParam()))                                                          \
       GTEST_SKIP() << "mixprec::" op " has no kernel for this device yet: its C++ optimizer is untested"; \
   } while (0)
 
@@ -60,7 +60,6 @@ std::vector<at::Tensor> random_grads(const std::vector<at::Tensor>& ps, at::Scal
 void set_grads(const std::vector<at::Tensor>& ps, const std::vector<at::Tensor>& gs) {
   for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = gs[i].to(ps[i].scalar_type());
 }
-
 
 using Factory = std::function<std::unique_ptr<FusedOptimizer>(std::vector<at::Tensor>, bool master_weights)>;
 
@@ -145,7 +144,8 @@ void expect_round_trip(const Factory& make, const c10::Device& device, std::mt19
   }
   const auto sa = all_state(*original), sb = all_state(*restored);
   ASSERT_EQ(sa.size(), sb.size()) << original->name();
-  for (size_t i = 0; i < sa.size(); ++i) EXPECT_TRUE(bitwise_equal(sa[i], sb[i])) << original->name() << " tensor " << i;
+  for (size_t i = 0; i < sa.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(sa[i], sb[i])) << original->name() << " tensor " << i;
   EXPECT_EQ(restored->step_count(0), 4);
 }
 
@@ -179,10 +179,16 @@ TEST_P(ApiFamilies, SGDMatchesTorchSGDIncludingLateMomentumBuffers) {
     auto ps = make_params(shapes(rng), at::kFloat, device());
     const auto start = copies(ps, at::kDouble);
     auto ref = copies(ps, at::kDouble);
-    FusedSGD ours(ps, FusedSGDOptions(0.1).momentum(c.momentum).dampening(c.dampening).weight_decay(c.weight_decay)
+    FusedSGD ours(ps, FusedSGDOptions(0.1)
+                          .momentum(c.momentum)
+                          .dampening(c.dampening)
+                          .weight_decay(c.weight_decay)
                           .nesterov(c.nesterov));
-    torch::optim::SGD peer(ref, torch::optim::SGDOptions(0.1).momentum(c.momentum).dampening(c.dampening)
-                                    .weight_decay(c.weight_decay).nesterov(c.nesterov));
+    torch::optim::SGD peer(ref, torch::optim::SGDOptions(0.1)
+                                    .momentum(c.momentum)
+                                    .dampening(c.dampening)
+                                    .weight_decay(c.weight_decay)
+                                    .nesterov(c.nesterov));
     for (int step = 0; step < 5; ++step) {
       const auto gs = random_grads(ps, at::kFloat);
       set_grads(ps, gs);
@@ -196,9 +202,12 @@ TEST_P(ApiFamilies, SGDMatchesTorchSGDIncludingLateMomentumBuffers) {
     }
     EXPECT_LT(displacement_err(ps, ref, start), 1e-5) << "momentum " << c.momentum << " dampening " << c.dampening;
   }
-  generic_checks([](std::vector<at::Tensor> p, bool mw) -> std::unique_ptr<FusedOptimizer> {
-    return std::make_unique<FusedSGD>(std::move(p), FusedSGDOptions(0.05).momentum(0.9).dampening(0.1).master_weights(mw));
-  }, device(), rng);
+  generic_checks(
+      [](std::vector<at::Tensor> p, bool mw) -> std::unique_ptr<FusedOptimizer> {
+        return std::make_unique<FusedSGD>(std::move(p),
+                                          FusedSGDOptions(0.05).momentum(0.9).dampening(0.1).master_weights(mw));
+      },
+      device(), rng);
 }
 
 TEST_P(ApiFamilies, SGDRefusesBadOptions) {
@@ -206,7 +215,8 @@ TEST_P(ApiFamilies, SGDRefusesBadOptions) {
   expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(0.1).nesterov(true)); }, {"FusedSGD", "Nesterov"});
   expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(0.1).momentum(-1)); }, {"FusedSGD", "momentum"});
   expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(NAN)); }, {"FusedSGD", "invalid learning rate nan;"});
-  expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(0.1).dampening(INFINITY)); }, {"FusedSGD", "invalid dampening inf"});
+  expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(0.1).dampening(INFINITY)); },
+                   {"FusedSGD", "invalid dampening inf"});
 }
 
 // ---- Adagrad --------------------------------------------------------------------------------------
@@ -227,9 +237,12 @@ TEST_P(ApiFamilies, AdagradMatchesTorchAdagrad) {
     peer.step();
   }
   EXPECT_LT(displacement_err(ps, ref, start), 1e-5);
-  generic_checks([](std::vector<at::Tensor> p, bool mw) -> std::unique_ptr<FusedOptimizer> {
-    return std::make_unique<FusedAdagrad>(std::move(p), FusedAdagradOptions(0.05).weight_decay(0.01).master_weights(mw));
-  }, device(), rng);
+  generic_checks(
+      [](std::vector<at::Tensor> p, bool mw) -> std::unique_ptr<FusedOptimizer> {
+        return std::make_unique<FusedAdagrad>(std::move(p),
+                                              FusedAdagradOptions(0.05).weight_decay(0.01).master_weights(mw));
+      },
+      device(), rng);
 }
 
 // ---- LAMB -----------------------------------------------------------------------------------------
@@ -239,7 +252,8 @@ struct LambRef {
   void step(const std::vector<at::Tensor>& grads, const FusedLAMBOptions& o, int t, double global_norm) {
     const double b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
     const double clip = o.clips() && global_norm > o.max_grad_norm() ? global_norm / o.max_grad_norm() : 1.0;
-    const double bc1 = o.bias_correction() ? 1 - std::pow(b1, t) : 1, bc2 = o.bias_correction() ? 1 - std::pow(b2, t) : 1;
+    const double bc1 = o.bias_correction() ? 1 - std::pow(b1, t) : 1,
+                 bc2 = o.bias_correction() ? 1 - std::pow(b2, t) : 1;
     const double b3 = o.grad_averaging() ? 1 - b1 : 1;
     for (size_t i = 0; i < w.size(); ++i) {
       at::Tensor g = grads[i].to(at::kCPU, at::kDouble) / clip;
@@ -291,9 +305,11 @@ TEST_P(ApiFamilies, LAMBMatchesFloat64RuleWithGlobalClippingAcrossGroups) {
   }
   EXPECT_LT(displacement_err(g1, r1.w, s1), 1e-5) << "group 0";
   EXPECT_LT(displacement_err(g2, r2.w, s2), 1e-5) << "group 1";
-  generic_checks([](std::vector<at::Tensor> p, bool mw) -> std::unique_ptr<FusedOptimizer> {
-    return std::make_unique<FusedLAMB>(std::move(p), FusedLAMBOptions(0.01).master_weights(mw));
-  }, device(), rng);
+  generic_checks(
+      [](std::vector<at::Tensor> p, bool mw) -> std::unique_ptr<FusedOptimizer> {
+        return std::make_unique<FusedLAMB>(std::move(p), FusedLAMBOptions(0.01).master_weights(mw));
+      },
+      device(), rng);
 }
 
 // ---- NovoGrad -------------------------------------------------------------------------------------
@@ -310,10 +326,8 @@ struct NovoGradRef {
     for (size_t i = 0; i < w.size(); ++i) {
       const at::Tensor g = grads[i].to(at::kCPU, at::kDouble);
       const double n = l2 ? g.norm().item<double>() : g.abs().max().item<double>();
-      if (t == 1 && !o.init_zero())
-        v[i] = n;
-      else
-        v[i] = l2 ? std::sqrt(b2 * v[i] * v[i] + (1 - b2) * n * n) : b2 * v[i] + (1 - b2) * n;
+      if (t == 1 && !o.init_zero()) v[i] = n;
+      else v[i] = l2 ? std::sqrt(b2 * v[i] * v[i] + (1 - b2) * n * n) : b2 * v[i] + (1 - b2) * n;
       const double d = v[i] / c2 + o.eps();
       if (o.reg_inside_moment()) {
         m[i] = b1 * m[i] + b3 * (g / d + o.weight_decay() * w[i]);
@@ -357,7 +371,8 @@ TEST_P(ApiFamilies, NovoGradMatchesFloat64RuleInEveryMode) {
       const at::Tensor v = ours.exp_avg_sq(0).cpu().to(at::kDouble);
       const std::string what = "reg_inside " + std::to_string(reg_inside) + " norm " + std::to_string(norm_type);
       EXPECT_LT(displacement_err(ps, r.w, start), 1e-5) << what;
-      for (size_t i = 0; i < ps.size(); ++i) EXPECT_NEAR(v[i].item<double>(), r.v[i], 1e-5 * r.v[i]) << what << " param " << i;
+      for (size_t i = 0; i < ps.size(); ++i)
+        EXPECT_NEAR(v[i].item<double>(), r.v[i], 1e-5 * r.v[i]) << what << " param " << i;
     }
   }
 }
@@ -378,14 +393,18 @@ TEST_P(ApiFamilies, NovoGradKeepsTheMomentsOfParamsWithoutGradients) {
   EXPECT_TRUE(bitwise_equal(after[1], before[1])) << "the idle param's moment changed";
   EXPECT_FALSE(bitwise_equal(after[0], before[0])) << "an active param's moment did not change";
   EXPECT_TRUE(bitwise_equal(ps[1].detach(), idle));
-  generic_checks([](std::vector<at::Tensor> p, bool mw) -> std::unique_ptr<FusedOptimizer> {
-    return std::make_unique<FusedNovoGrad>(std::move(p), FusedNovoGradOptions(0.01).weight_decay(0.01).master_weights(mw));
-  }, device(), rng);
+  generic_checks(
+      [](std::vector<at::Tensor> p, bool mw) -> std::unique_ptr<FusedOptimizer> {
+        return std::make_unique<FusedNovoGrad>(std::move(p),
+                                               FusedNovoGradOptions(0.01).weight_decay(0.01).master_weights(mw));
+      },
+      device(), rng);
 }
 
 TEST_P(ApiFamilies, NovoGradRefusesABadNormType) {
   auto ps = make_params({{3}, {4}}, at::kFloat, device());
-  expect_c10_error([&] { FusedNovoGrad(ps, FusedNovoGradOptions(0.1).norm_type(1)); }, {"FusedNovoGrad", "norm_type", "got 1"});
+  expect_c10_error([&] { FusedNovoGrad(ps, FusedNovoGradOptions(0.1).norm_type(1)); },
+                   {"FusedNovoGrad", "norm_type", "got 1"});
 }
 
 }  // namespace

@@ -147,12 +147,15 @@ TEST_P(ApiOptimLayouts, LayoutsThatSkipOrRepeatMemoryAreRefusedBeforeAnyGroupSte
     std::vector<std::string> needles;
   };
   const std::vector<Case> cases = {
-      {"expanded", [&] { return torch::randn({1, 4}, opts).expand({3, 4}).detach(); },
+      {"expanded",
+       [&] { return torch::randn({1, 4}, opts).expand({3, 4}).detach(); },
        {"param_groups[1]: params[0] has strides [0, 1] for shape [3, 4], which skip or repeat memory",
         "expected a dense parameter"}},
-      {"overlapping", [&] { return torch::randn({8}, opts).as_strided({3, 4}, {1, 1}).detach(); },
+      {"overlapping",
+       [&] { return torch::randn({8}, opts).as_strided({3, 4}, {1, 1}).detach(); },
        {"param_groups[1]: params[0] has strides [1, 1] for shape [3, 4]"}},
-      {"gapped", [&] { return torch::randn({6, 8}, opts).slice(1, 0, 8, 2).detach(); },
+      {"gapped",
+       [&] { return torch::randn({6, 8}, opts).slice(1, 0, 8, 2).detach(); },
        {"param_groups[1]: params[0] has strides [8, 2] for shape [6, 4]"}},
   };
   for_each_family([&](const Family& f) {
@@ -189,8 +192,9 @@ TEST_P(ApiOptimLayouts, AGradientOrStateInAnotherLayoutThanItsParamIsRefused) {
     set_same_grads(l.dense, l.contig);
     l.dense[2].mutable_grad() = l.dense[2].grad().contiguous();
     auto before = clone_all(all_state(*opt));
-    expect_c10_error([&] { opt->step(); }, {opt->name(), "param_groups[1]: params[0].grad has strides [1800, 225, 15, 1]",
-                                            "expected the parameter's layout, strides [1800, 1, 120, 8]"});
+    expect_c10_error([&] { opt->step(); },
+                     {opt->name(), "param_groups[1]: params[0].grad has strides [1800, 225, 15, 1]",
+                      "expected the parameter's layout, strides [1800, 1, 120, 8]"});
     expect_unchanged(all_state(*opt), before, "after a refused gradient");
     // The same for a state tensor made contiguous behind the optimizer's back.
     l.dense[2].mutable_grad() = at::empty_like(l.dense[2]).copy_(l.dense[2].grad());

@@ -66,19 +66,28 @@ TEST_P(ApiOptimMisuse, AStepRefusedForAnyGroupChangesNoGroup) {
   const c10::Device dev = device();
   const std::vector<Case> cases = {
       {"options", [](TwoGroups& s) { s.opt->param_groups()[1].options().set_lr(-1.0); }, {"param_groups[1]", "-1"}},
-      {"grad shape", [dev](TwoGroups& s) { s.g1[1].mutable_grad() = torch::zeros({12}, at::TensorOptions(at::kHalf).device(dev)); },
+      {"grad shape",
+       [dev](TwoGroups& s) { s.g1[1].mutable_grad() = torch::zeros({12}, at::TensorOptions(at::kHalf).device(dev)); },
        {"param_groups[1]: params[1].grad has shape [12]", "expected the parameter's [3, 4]"}},
-      {"grad layout", [dev](TwoGroups& s) { s.g1[1].mutable_grad() = torch::zeros({4, 3}, at::TensorOptions(at::kHalf).device(dev)).t(); },
+      {"grad layout",
+       [dev](TwoGroups& s) {
+         s.g1[1].mutable_grad() = torch::zeros({4, 3}, at::TensorOptions(at::kHalf).device(dev)).t();
+       },
        {"param_groups[1]: params[1].grad has strides [1, 3]; expected the parameter's layout, strides [4, 1]"}},
-      {"state layout", [](TwoGroups& s) { *s.slot(s.g1[1]) = s.slot(s.g1[1])->t().contiguous().t(); },
+      {"state layout",
+       [](TwoGroups& s) { *s.slot(s.g1[1]) = s.slot(s.g1[1])->t().contiguous().t(); },
        {"param_groups[1]: params[1] state['", "has strides [1, 3]; expected the parameter's layout"}},
-      {"grad dtype", [](TwoGroups& s) { s.g1[0].mutable_grad() = s.g1[0].grad().to(at::kDouble); },
+      {"grad dtype",
+       [](TwoGroups& s) { s.g1[0].mutable_grad() = s.g1[0].grad().to(at::kDouble); },
        {"param_groups[1]: params[0].grad has dtype", "expected float32, float16 or bfloat16"}},
-      {"state dtype", [](TwoGroups& s) { *s.slot(s.g1[0]) = s.slot(s.g1[0])->to(at::kDouble); },
+      {"state dtype",
+       [](TwoGroups& s) { *s.slot(s.g1[0]) = s.slot(s.g1[0])->to(at::kDouble); },
        {"param_groups[1]: params[0] state['", "float32"}},
-      {"state shape", [dev](TwoGroups& s) { *s.slot(s.g1[1]) = torch::zeros({99}, at::TensorOptions().device(dev)); },
+      {"state shape",
+       [dev](TwoGroups& s) { *s.slot(s.g1[1]) = torch::zeros({99}, at::TensorOptions().device(dev)); },
        {"param_groups[1]: params[1] state['", "has shape [99]"}},
-      {"master dtype", [](TwoGroups& s) { *s.slot(s.g1[1], "master_param") = s.slot(s.g1[1], "master_param")->to(at::kHalf); },
+      {"master dtype",
+       [](TwoGroups& s) { *s.slot(s.g1[1], "master_param") = s.slot(s.g1[1], "master_param")->to(at::kHalf); },
        {"param_groups[1]: params[1] state['master_param']", "must be float32"}},
   };
   for_each_family([&](const Family& f) {

@@ -22,8 +22,7 @@ using namespace mixprec::optim;
 double other(double d) { return d == 0 ? 0.375 : d * 1.5; }
 bool other(bool d) { return !d; }
 
-template <class Options>
-torch::serialize::InputArchive archived(const Options& o) {
+template <class Options> torch::serialize::InputArchive archived(const Options& o) {
   torch::serialize::OutputArchive out;
   o.serialize(out);
   std::stringstream bytes;
@@ -244,11 +243,13 @@ TEST(ApiOptimOptions, CheckpointsOfEarlierBuildsLoadAndTrainOnBitIdentically) {
     for (int step = 2; step < 4; ++step) {
       const auto a = optimizer_state(*replayed), b = optimizer_state(*loaded);
       ASSERT_EQ(a.size(), b.size());
-      for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << "state " << i << " before step " << step;
+      for (size_t i = 0; i < a.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(a[i], b[i])) << "state " << i << " before step " << step;
       fixed_step(*replayed, ps, step);
       fixed_step(*loaded, qs, step);
       const auto pa = ps.all(), pb = qs.all();
-      for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << "param " << i << " after step " << step;
+      for (size_t i = 0; i < pa.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << "param " << i << " after step " << step;
     }
   }
 }

@@ -54,8 +54,8 @@ TEST_P(CrossEntropy, MatchesFloat64LogSoftmaxWithIgnoredRows) {
                               (torch::logsumexp(x, 1).norm().item<double>() + 1e-30);
       EXPECT_LT(loss_err, 1e-6) << "losses";
       EXPECT_LT(rel_err(lse, torch::logsumexp(x, 1)), 1e-5) << "lse";
-      const at::Tensor peer = (g.cpu().unsqueeze(1) * (torch::softmax(x.to(torch::kFloat), 1) -
-                                                        onehot.to(torch::kFloat))).to(dtype);
+      const at::Tensor peer =
+          (g.cpu().unsqueeze(1) * (torch::softmax(x.to(torch::kFloat), 1) - onehot.to(torch::kFloat))).to(dtype);
       // fp32: 1e-5 plus lse's own fp32 rounding, which every exp(x - lse) carries (|lse| * 2^-24).
       const double lse_rounding = 2.0 * torch::logsumexp(x, 1).abs().max().item<double>() * std::ldexp(1.0, -24);
       const double bound = dtype == at::kFloat
@@ -75,9 +75,12 @@ TEST_P(CrossEntropy, BadInputNamesOpAndArgumentAndChangesNothing) {
                    {"mixprec::cross_entropy_forward: target", "Long"});
   expect_c10_error([&] { mixprec::cross_entropy_forward(logits.t(), target); },
                    {"mixprec::cross_entropy_forward: logits", "not contiguous"});
-  expect_c10_error([&] { mixprec::cross_entropy_backward(torch::ones({3}, logits.options().dtype(at::kFloat)),
-                                                         logits, target, torch::zeros({4}, logits.options().dtype(at::kFloat))); },
-                   {"mixprec::cross_entropy_backward: grad_losses", "[4]"});
+  expect_c10_error(
+      [&] {
+        mixprec::cross_entropy_backward(torch::ones({3}, logits.options().dtype(at::kFloat)), logits, target,
+                                        torch::zeros({4}, logits.options().dtype(at::kFloat)));
+      },
+      {"mixprec::cross_entropy_backward: grad_losses", "[4]"});
   expect_unchanged({logits, target}, before, "argument");
 }
 

@@ -25,7 +25,7 @@ TEST_P(Linear, BiasGradIsTheRowSumInFp32) {
       ASSERT_EQ(got.scalar_type(), dtype);
       const at::Tensor ref = grad.cpu().to(at::kDouble).sum(0);
       // fp32 accumulation of 1025 values, then one rounding to the dtype (its unit roundoff).
-      const double roundoff = dtype == at::kFloat ? std::ldexp(1.0, -24)
+      const double roundoff = dtype == at::kFloat  ? std::ldexp(1.0, -24)
                               : dtype == at::kHalf ? std::ldexp(1.0, -11)
                                                    : std::ldexp(1.0, -8);
       const at::Tensor bound =
@@ -67,7 +67,7 @@ TEST_P(Linear, WeightAndBiasGradsTogetherWithinFp32Accumulation) {
     ASSERT_EQ(grad_weight.sizes(), (at::IntArrayRef{40, 24}));
     ASSERT_EQ(grad_bias.sizes(), (at::IntArrayRef{40}));
     const at::Tensor g = grad.cpu().to(at::kDouble), x = input.cpu().to(at::kDouble);
-    const double eps = dtype == at::kFloat ? std::ldexp(1.0, -10)  // torch's fp32 mm may run in TF32
+    const double eps = dtype == at::kFloat  ? std::ldexp(1.0, -10)  // torch's fp32 mm may run in TF32
                        : dtype == at::kHalf ? std::ldexp(1.0, -10)
                                             : std::ldexp(1.0, -7);
     const at::Tensor ref_w = g.t().mm(x), ref_b = g.sum(0);
@@ -85,7 +85,8 @@ TEST_P(Linear, BadInputNamesOpAndArgument) {
   expect_c10_error([&] { mixprec::linear(x, w.view({12})); }, {"mixprec::linear: weight", "2-D"});
   expect_c10_error([&] { mixprec::linear(x, w, w[0]); }, {"mixprec::linear: bias", "[3]"});
   expect_c10_error([&] { mixprec::linear_bias_grad(x.t()); }, {"mixprec::linear_bias_grad: grad", "not contiguous"});
-  expect_c10_error([&] { mixprec::linear_bias_grad(x.to(at::kDouble)); }, {"mixprec::linear_bias_grad: grad", "Double"});
+  expect_c10_error([&] { mixprec::linear_bias_grad(x.to(at::kDouble)); },
+                   {"mixprec::linear_bias_grad: grad", "Double"});
   expect_c10_error([&] { mixprec::linear_weight_bias_grad(x, w); },
                    {"mixprec::linear_weight_bias_grad: input", "same number of rows"});
   expect_c10_error([&] { mixprec::linear_weight_bias_grad(x, x.to(at::kHalf)); },

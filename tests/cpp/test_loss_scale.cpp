@@ -26,9 +26,7 @@ std::vector<at::Tensor> make_grads(const std::vector<int64_t>& sizes, const c10:
 }
 
 // A random inverse scale that is not a power of two, so rounding actually happens.
-float random_inv_scale(std::mt19937_64& rng) {
-  return 1.f / std::uniform_real_distribution<float>(700.f, 1300.f)(rng);
-}
+float random_inv_scale(std::mt19937_64& rng) { return 1.f / std::uniform_real_distribution<float>(700.f, 1300.f)(rng); }
 
 // out == in_before * inv within docs/architecture.md's bounds (float64 reference) where the input was
 // finite; where it was inf/NaN the output holds the same non-finite product.
@@ -80,8 +78,7 @@ TEST_P(LossScale, UnscaleFlagsInfAndNaNAtFirstLastAndRandomPositions) {
       const int64_t t = std::uniform_int_distribution<int64_t>(0, grads.size() - 1)(rng);
       const int64_t pos = first_last_random(grads[t].numel(), rng)[where];
       inject(grads[t], {pos}, value);
-      SCOPED_TRACE("value " + std::to_string(value) + " in grads[" + std::to_string(t) + "] at " +
-                   std::to_string(pos));
+      SCOPED_TRACE("value " + std::to_string(value) + " in grads[" + std::to_string(t) + "] at " + std::to_string(pos));
       const auto before = clone_all(grads);
       const float inv = random_inv_scale(rng);
       auto found_inf = torch::zeros({1}, opts());
@@ -97,10 +94,9 @@ TEST_P(LossScale, UnscaleFlagsInfAndNaNAtFirstLastAndRandomPositions) {
 
 TEST_P(LossScale, UnscaleIntoAnotherDtypeListLeavesGradsAndWritesEveryElement) {
   auto rng = host_rng();
-  const std::pair<at::ScalarType, at::ScalarType> pairs[] = {{at::kHalf, at::kFloat},     {at::kBFloat16, at::kFloat},
-                                                             {at::kFloat, at::kHalf},     {at::kFloat, at::kBFloat16},
-                                                             {at::kFloat, at::kFloat},    {at::kHalf, at::kHalf},
-                                                             {at::kBFloat16, at::kBFloat16}};
+  const std::pair<at::ScalarType, at::ScalarType> pairs[] = {
+      {at::kHalf, at::kFloat},  {at::kBFloat16, at::kFloat}, {at::kFloat, at::kHalf},       {at::kFloat, at::kBFloat16},
+      {at::kFloat, at::kFloat}, {at::kHalf, at::kHalf},      {at::kBFloat16, at::kBFloat16}};
   const auto sizes = boundary_sizes(rng);
   std::vector<at::Tensor> grads, out;
   for (size_t i = 0; i < sizes.size() + 1; ++i) {
@@ -275,8 +271,8 @@ TEST_P(LossScale, UnscaleErrorsNameOpArgumentAndIndexAndModifyNothing) {
   auto found = torch::zeros({1}, opts());
   auto inv = torch::full({1}, 0.5f, opts());
   auto per_tensor = torch::zeros({3}, opts());
-  const auto run = [&](std::vector<at::Tensor> g, std::vector<at::Tensor> o, at::Tensor f, at::Tensor s,
-                       at::Tensor pt, const std::vector<std::string>& needles) {
+  const auto run = [&](std::vector<at::Tensor> g, std::vector<at::Tensor> o, at::Tensor f, at::Tensor s, at::Tensor pt,
+                       const std::vector<std::string>& needles) {
     SCOPED_TRACE(needles.back());
     std::vector<at::Tensor> all = g;
     all.insert(all.end(), o.begin(), o.end());
@@ -287,7 +283,10 @@ TEST_P(LossScale, UnscaleErrorsNameOpArgumentAndIndexAndModifyNothing) {
     expect_c10_error([&] { mixprec::non_finite_check_and_unscale_(g, f, s, o, pt); }, n);
     expect_unchanged(all, before, "argument");
   };
-  const auto with = [](std::vector<at::Tensor> v, size_t i, at::Tensor t) { v[i] = t; return v; };
+  const auto with = [](std::vector<at::Tensor> v, size_t i, at::Tensor t) {
+    v[i] = t;
+    return v;
+  };
   const std::vector<at::Tensor> short_out(out.begin(), out.begin() + 2);
   run(grads, short_out, found, inv, per_tensor, {"out"});
   run(with(grads, 2, torch::ones({3000}, opts(at::kDouble))), out, found, inv, per_tensor, {"grads[2]"});
@@ -488,7 +487,11 @@ TEST_P(LossScale, UpdateScaleErrorsNameOpAndArgumentAndModifyNothing) {
     expect_unchanged(all, before, "state");
   };
   const mixprec::ScaleUpdateOptions ok{2.0, 0.5, 10, 2, 1.0, 65536.0};
-  const auto with = [&](auto set) { mixprec::ScaleUpdateOptions o = ok; set(o); return o; };
+  const auto with = [&](auto set) {
+    mixprec::ScaleUpdateOptions o = ok;
+    set(o);
+    return o;
+  };
   run(scale, growth, hyst, skipped, found, with([](auto& o) { o.growth_factor = 0; }), "growth_factor");
   run(scale, growth, hyst, skipped, found, with([](auto& o) { o.growth_factor = kNaN; }), "growth_factor");
   run(scale, growth, hyst, skipped, found, with([](auto& o) { o.backoff_factor = -0.5; }), "backoff_factor");

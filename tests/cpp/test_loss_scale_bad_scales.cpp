@@ -91,7 +91,8 @@ TEST_P(LossScaleBadScales, TwoHundredOverflowsStopAtTheFloorAndGrowBack) {
 }
 
 TEST_P(LossScaleBadScales, NaNScalesStayNaNAndZeroScalesBackOffToTheFloor) {
-  for (const float start : {std::numeric_limits<float>::quiet_NaN(), 0.f, -0.f, std::numeric_limits<float>::infinity()}) {
+  for (const float start :
+       {std::numeric_limits<float>::quiet_NaN(), 0.f, -0.f, std::numeric_limits<float>::infinity()}) {
     SCOPED_TRACE(start);
     const mixprec::ScaleUpdateOptions o{2.0, 0.5, 2, 2, 0.0, 0.0};
     auto scale = torch::full({1}, start, opts());

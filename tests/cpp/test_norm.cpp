@@ -36,8 +36,7 @@ double ref_total(const std::vector<at::Tensor>& ts, double ord) {
 void expect_norm(float got, double ref, double ord, const std::string& what) {
   if (ord == 2.0)
     EXPECT_LT(std::abs(got - ref), 1e-5 * ref + 1e-30) << what << ": got " << got << ", float64 says " << ref;
-  else
-    EXPECT_EQ(got, static_cast<float>(ref)) << what;
+  else EXPECT_EQ(got, static_cast<float>(ref)) << what;
 }
 
 class Norm : public DeviceTest {
@@ -68,7 +67,7 @@ TEST_P(Norm, MatchesFloat64ReferenceAcrossChunkBoundariesAndDtypes) {
   for (size_t i = 0; i < sizes.size(); ++i)
     ts.push_back(random_tensor({sizes[i]}, kFloatTypes[i % 3], device(), std::exp2(static_cast<double>(i % 5) - 2)));
   ts.push_back(random_tensor({65537 + 1}, at::kBFloat16, device()).narrow(0, 1, 65537));  // unaligned view
-  ts.push_back(random_tensor({3, 70, 5}, at::kHalf, device()));                         // not 1-D
+  ts.push_back(random_tensor({3, 70, 5}, at::kHalf, device()));                           // not 1-D
   for (double ord : {2.0, kInf})
     for (bool per_tensor : {true, false}) check(ts, ord, per_tensor);
 
@@ -154,7 +153,11 @@ TEST_P(Norm, ErrorsNameOpArgumentAndIndexAndModifyNothing) {
     expect_c10_error([&] { mixprec::multi_tensor_norm(args, ord, true); }, {"mixprec::multi_tensor_norm", arg});
     expect_unchanged(args, before, "tensors");
   };
-  const auto with = [&](size_t i, at::Tensor t) { auto v = ts; v[i] = t; return v; };
+  const auto with = [&](size_t i, at::Tensor t) {
+    auto v = ts;
+    v[i] = t;
+    return v;
+  };
   for (double ord : {1.0, 0.0, 3.0, -kInf, kNaN}) run(ts, ord, "ord");
   run(with(2, torch::ones({3}, opts(at::kDouble))), 2.0, "tensors[2]");
   run(with(2, torch::ones({3}, opts(at::kInt))), 2.0, "tensors[2]");

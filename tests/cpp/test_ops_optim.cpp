@@ -117,11 +117,12 @@ TEST(OpsOptim, CheckTwinRefusesWhatTheStepRefuses) {
     mixprec::AdamArgs a;
     a.beta2 = beta2;
     const auto before = clone_all(params), v_before = clone_all(v);
-    const std::string checked = refusal([&] { 
+    const std::string checked = refusal([&] {
       const at::TensorList none;
-      mixprec::detail::call_optim(check, {at::TensorList(params), at::TensorList(grads), at::TensorList(m),
-                                          at::TensorList(v), none, none}, a, s);
-     });
+      mixprec::detail::call_optim(
+          check, {at::TensorList(params), at::TensorList(grads), at::TensorList(m), at::TensorList(v), none, none}, a,
+          s);
+    });
     const std::string stepped = refusal([&] { mixprec::adam_(params, grads, m, v, {}, {}, a, s); });
     EXPECT_EQ(checked, stepped);
     EXPECT_NE(checked.find(beta2 == 1.0 ? "mixprec::adam_: beta2 must be in [0, 1)" : "shares memory with"),

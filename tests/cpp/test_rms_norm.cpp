@@ -18,8 +18,8 @@ TEST_P(RmsNorm, OutputAndGradientsMatchFloat64) {
   const at::Tensor w0 = random_tensor({96}, at::kFloat, device());
   const at::Tensor dy = random_tensor({5, 33, 96}, at::kFloat, device());
   // (input dtype, weight dtype) of mixprec's run, and the bound against float64.
-  for (const auto& [dtype, weight_dtype, tol] : {std::tuple{at::kFloat, at::kFloat, 1e-5},
-                                                 std::tuple{at::kBFloat16, at::kFloat, 1e-2}}) {
+  for (const auto& [dtype, weight_dtype, tol] :
+       {std::tuple{at::kFloat, at::kFloat, 1e-5}, std::tuple{at::kBFloat16, at::kFloat, 1e-2}}) {
     auto run = [&](bool ours, at::ScalarType in, at::ScalarType wt) {
       at::Tensor x = x0.to(in, false, true).requires_grad_(true), w = w0.to(wt, false, true).requires_grad_(true);
       const at::Tensor y = ours ? mixprec::rms_norm(x, {96}, w, 1e-5) : at::rms_norm(x, {96}, w, 1e-5);

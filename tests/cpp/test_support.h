@@ -52,8 +52,8 @@ inline std::mt19937_64 host_rng() {
   return std::mt19937_64(static_cast<uint64_t>(torch::randint(1LL << 62, {1}).item<int64_t>()));
 }
 
-#define MIXPREC_SKIP_WITHOUT_CUDA() \
-  do {                               \
+#define MIXPREC_SKIP_WITHOUT_CUDA()                                     \
+  do {                                                                  \
     if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
@@ -75,7 +75,7 @@ inline std::string device_param_name(const ::testing::TestParamInfo<c10::DeviceT
   return info.param == c10::kCUDA ? "CUDA" : "CPU";
 }
 
-#define MIXPREC_INSTANTIATE_DEVICE_TESTS(Fixture)                                                  \
+#define MIXPREC_INSTANTIATE_DEVICE_TESTS(Fixture)                                      \
   INSTANTIATE_TEST_SUITE_P(Devices, Fixture, ::testing::Values(c10::kCPU, c10::kCUDA), \
                            ::mixprec::test::device_param_name)
 

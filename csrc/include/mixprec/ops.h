@@ -4,8 +4,8 @@
 // python/mixprec/_ops.py; the library (mixprec::mixprec) must be linked for the ops to exist.
 #pragma once
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
 #include <initializer_list>
@@ -31,9 +31,8 @@ inline void non_finite_check_and_unscale_(at::TensorList grads, const std::optio
                                           const std::optional<at::Tensor>& per_tensor_found = std::nullopt) {
   using Sig = void(at::TensorList, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, at::TensorList,
                    const std::optional<at::Tensor>&);
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("mixprec::non_finite_check_and_unscale_", "")
-                             .typed<Sig>();
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::non_finite_check_and_unscale_", "").typed<Sig>();
   op.call(grads, found_inf, inv_scale, out, per_tensor_found);
 }
 
@@ -57,9 +56,9 @@ inline void update_scale_(const at::Tensor& scale, const at::Tensor& growth_trac
                           const ScaleUpdateOptions& options = {},
                           const std::optional<at::Tensor>& hysteresis_tracker = std::nullopt,
                           const std::optional<at::Tensor>& skipped_steps = std::nullopt) {
-  using Sig = void(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                   const std::optional<at::Tensor>&, const at::Tensor&, double, double, int64_t, int64_t, double,
-                   double);
+  using Sig =
+      void(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+           const at::Tensor&, double, double, int64_t, int64_t, double, double);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::update_scale_", "").typed<Sig>();
   op.call(scale, growth_tracker, hysteresis_tracker, skipped_steps, found_inf, options.growth_factor,
           options.backoff_factor, options.growth_interval, options.hysteresis, options.min_scale, options.max_scale);
@@ -87,8 +86,7 @@ inline std::tuple<at::Tensor, at::Tensor> cross_entropy_forward(const at::Tensor
 
 // The logits' gradient in their dtype: grad_losses[i] * (softmax(logits[i]) - onehot(target[i])).
 inline at::Tensor cross_entropy_backward(const at::Tensor& grad_losses, const at::Tensor& logits,
-                                         const at::Tensor& target, const at::Tensor& lse,
-                                         int64_t ignore_index = -100) {
+                                         const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index = -100) {
   using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::cross_entropy_backward", "").typed<Sig>();
@@ -138,16 +136,14 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward(const a
 
 // (grad_input, grad_weight, grad_bias) from layer_norm_forward's mean and rstd; a gradient whose
 // output_mask entry is false comes back undefined.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(const at::Tensor& grad_out,
-                                                                          const at::Tensor& input,
-                                                                          const at::Tensor& mean,
-                                                                          const at::Tensor& rstd,
-                                                                          const std::optional<at::Tensor>& weight,
-                                                                          std::array<bool, 3> output_mask) {
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean, const at::Tensor& rstd,
+    const std::optional<at::Tensor>& weight, std::array<bool, 3> output_mask) {
   using Sig = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                              const at::Tensor&, const std::optional<at::Tensor>&,
                                                              std::array<bool, 3>);
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::layer_norm_backward", "").typed<Sig>();
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::layer_norm_backward", "").typed<Sig>();
   return op.call(grad_out, input, mean, rstd, weight, output_mask);
 }
 
@@ -165,8 +161,8 @@ inline at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef normalized
 // its dtype or float32, or none -> (out, rstd fp32 shaped input's leading dimensions).
 inline std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                                            const std::optional<at::Tensor>& weight, double eps) {
-  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef, const std::optional<at::Tensor>&,
-                                                 double);
+  using Sig =
+      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef, const std::optional<at::Tensor>&, double);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::rms_norm_forward", "").typed<Sig>();
   return op.call(input, normalized_shape, weight, eps);
 }
@@ -177,8 +173,9 @@ inline std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& gr
                                                             at::IntArrayRef normalized_shape, const at::Tensor& rstd,
                                                             const std::optional<at::Tensor>& weight,
                                                             std::array<bool, 2> output_mask) {
-  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::IntArrayRef,
-                                                 const at::Tensor&, const std::optional<at::Tensor>&, std::array<bool, 2>);
+  using Sig =
+      std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, at::IntArrayRef, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, std::array<bool, 2>);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::rms_norm_backward", "").typed<Sig>();
   return op.call(grad_out, input, normalized_shape, rstd, weight, output_mask);
 }
@@ -211,9 +208,9 @@ namespace detail {
 // The family's hyper-parameters onto a dispatcher stack, in the order of its field list (and of
 // its schema, which library.cpp builds from the same list).
 #define MIXPREC_PUSH_ARG(type, name, default_value) stack.emplace_back(a.name);
-#define MIXPREC_DEFINE_PUSH_ARGS(op, Struct, MACRO)                                 \
+#define MIXPREC_DEFINE_PUSH_ARGS(op, Struct, MACRO)                               \
   inline void push_args(std::vector<c10::IValue>& stack, const Struct##Args& a) { \
-    MIXPREC_##MACRO##_ARGS(MIXPREC_PUSH_ARG)                                        \
+    MIXPREC_##MACRO##_ARGS(MIXPREC_PUSH_ARG)                                      \
   }
 MIXPREC_OPTIM_FAMILIES(MIXPREC_DEFINE_PUSH_ARGS)
 #undef MIXPREC_DEFINE_PUSH_ARGS
@@ -246,8 +243,7 @@ void call_optim(const c10::OperatorHandle& op, std::initializer_list<c10::IValue
 
 // amsgrad when max_exp_avg_sqs is non-empty; fp32 master weights when master_params is non-empty.
 inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                  at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a,
-                  const StepArgs& s) {
+                  at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a, const StepArgs& s) {
   static const c10::OperatorHandle op = detail::find_op("mixprec::adam_");
   detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params}, a, s);
 }
@@ -284,8 +280,7 @@ inline void novograd_(at::TensorList params, at::TensorList grads, at::TensorLis
                       const at::Tensor& exp_avg_sq_norms, at::TensorList master_params, const NovoGradArgs& a,
                       const StepArgs& s, const std::optional<at::Tensor>& grad_norms = std::nullopt) {
   static const c10::OperatorHandle op = detail::find_op("mixprec::novograd_");
-  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sq_norms, master_params}, a, s,
-                     {grad_norms});
+  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sq_norms, master_params}, a, s, {grad_norms});
 }
 
 }  // namespace mixprec

@@ -9,8 +9,8 @@
 namespace mixprec::kernels {
 namespace {
 
-MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& coefficients, int64_t t,
-                                   int64_t begin, int64_t n) {
+MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& coefficients, int64_t t, int64_t begin,
+                                   int64_t n) {
   // A local copy: through the reference every store into the tiles might change a coefficient,
   // and the compiler would keep the update loop scalar.
   const AdamCoefficients c = coefficients;

@@ -28,15 +28,13 @@ MIXPREC_INLINE float fast_max(float a, float x) { return x > a ? x : a; }
 // conversions kept the fp16 backward at 2.2x the bf16 one. Out-of-line (target attribute, which
 // the default clone of the row functions could not inline), called once per tile.
 #if MIXPREC_HAVE_X86_V3
-template <DType D>
-MIXPREC_TARGET_V3 void load_tile_v3(const void* src, int64_t at, int64_t n, float* dst) {
+template <DType D> MIXPREC_TARGET_V3 void load_tile_v3(const void* src, int64_t at, int64_t n, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_store_ps(dst + i, cpu::v3::load8<D>(src, at + i));
   for (; i < n; ++i) dst[i] = cpu::load_one<D>(src, at + i);
 }
 
-template <DType D>
-MIXPREC_TARGET_V3 void store_tile_v3(const float* src, void* dst, int64_t at, int64_t n) {
+template <DType D> MIXPREC_TARGET_V3 void store_tile_v3(const float* src, void* dst, int64_t at, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) cpu::v3::store8<D>(dst, at + i, _mm256_load_ps(src + i));
   for (; i < n; ++i) cpu::store_one<D>(dst, at + i, src[i]);
@@ -153,8 +151,8 @@ float load_value(DType d, const void* p, int64_t i) {
 // g * (exp(x_t - lse) - 1): when the target dominates, the latter cancels to rounding noise of
 // lse (fp32 lse of 50 is off by up to 2e-6, and 1 - p_t may be 1e-8), while the sum keeps every
 // term's relative precision. The two are equal in exact arithmetic, and the row sums to zero.
-MIXPREC_CPU_CLONES float row_grad(DType d, const void* logits, void* grad, int64_t row_begin, int64_t vocab,
-                                  float lse, float g, int64_t target) {
+MIXPREC_CPU_CLONES float row_grad(DType d, const void* logits, void* grad, int64_t row_begin, int64_t vocab, float lse,
+                                  float g, int64_t target) {
   alignas(64) float x[cpu::kTile];
   float others = 0.f;
   for (int64_t at = 0; at < vocab; at += cpu::kTile) {
@@ -204,8 +202,9 @@ void cross_entropy_backward_cpu(const CrossEntropyBackwardParams& p, int64_t row
     const int64_t t = p.target[r];
     if (t == p.ignore_index) row_fill(p.dtype, p.grad_logits, r * p.vocab, p.vocab, 0.f);
     else if (!target_in_range(t, p.vocab)) row_fill(p.dtype, p.grad_logits, r * p.vocab, p.vocab, kNaN);
-    else store_value(p.dtype, p.grad_logits, r * p.vocab + t,
-                     row_grad(p.dtype, p.logits, p.grad_logits, r * p.vocab, p.vocab, p.lse[r], p.grad_losses[r], t));
+    else
+      store_value(p.dtype, p.grad_logits, r * p.vocab + t,
+                  row_grad(p.dtype, p.logits, p.grad_logits, r * p.vocab, p.vocab, p.lse[r], p.grad_losses[r], t));
   }
 }
 

@@ -12,8 +12,8 @@ namespace {
 constexpr int kLanes = 16;  // independent partial sums (two AVX2 registers), as kernels/cpu/norm.cpp
 
 // Pass 1 over one chunk: its partial sums of w^2 and u^2, or (no trust ratio) the whole step.
-MIXPREC_CPU_CLONES void lamb_moments_chunk(const LambParams& p, const LambCoefficients& c, int64_t t,
-                                           int64_t begin, int64_t n, float& w_sq, float& u_sq) {
+MIXPREC_CPU_CLONES void lamb_moments_chunk(const LambParams& p, const LambCoefficients& c, int64_t t, int64_t begin,
+                                           int64_t n, float& w_sq, float& u_sq) {
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile], v[cpu::kTile], u[cpu::kTile];
   const int weight_list = p.has_master ? kLambMaster : kLambParam;

@@ -77,7 +77,8 @@ void layer_norm_param_grads_finish_cpu(const LayerNormBackwardParams& p, int64_t
     void* outs[2] = {p.grad_weight, p.grad_bias};
     for (int set = 0; set < 2; ++set) {
       if (outs[set] != nullptr)
-        cpu::finish_column_sums<D>(p.partials + set * p.splits * p.cols, p.splits, p.cols, outs[set], col_begin, col_end);
+        cpu::finish_column_sums<D>(p.partials + set * p.splits * p.cols, p.splits, p.cols, outs[set], col_begin,
+                                   col_end);
     }
   });
 }

@@ -53,8 +53,7 @@ MIXPREC_TARGET_V3 bool unscale_span_v3(const void* in, void* out, int64_t begin,
 }
 #endif
 
-template <DType In, DType Out, bool kWrite>
-SpanFn pick_isa() {
+template <DType In, DType Out, bool kWrite> SpanFn pick_isa() {
 #if MIXPREC_HAVE_X86_V3
   if (cpu::use_x86_v3()) return &unscale_span_v3<In, Out, kWrite>;
 #endif

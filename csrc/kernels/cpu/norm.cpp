@@ -16,14 +16,12 @@ constexpr int kLanes = 16;
 
 MIXPREC_INLINE float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
 
-template <NormType T>
-MIXPREC_INLINE float accumulate(float acc, float x) {
+template <NormType T> MIXPREC_INLINE float accumulate(float acc, float x) {
   if constexpr (T == NormType::kL2) return acc + x * x;
   else return nan_max(acc, std::fabs(x));
 }
 
-template <NormType T>
-MIXPREC_INLINE float reduce_lanes(const float* acc) {
+template <NormType T> MIXPREC_INLINE float reduce_lanes(const float* acc) {
   float r = acc[0];
   for (int l = 1; l < kLanes; ++l) r = T == NormType::kL2 ? r + acc[l] : nan_max(r, acc[l]);
   return r;
@@ -36,8 +34,7 @@ MIXPREC_INLINE void accumulate_tail(const void* in, int64_t at, int64_t rest, fl
 }
 
 // Portable path: read straight from the tensor, 16 lanes the compiler vectorizes (SLP).
-template <DType D, NormType T>
-float norm_span_portable(const void* in, int64_t begin, int64_t n) {
+template <DType D, NormType T> float norm_span_portable(const void* in, int64_t begin, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = begin;
   for (; i + kLanes <= begin + n; i += kLanes)
@@ -47,8 +44,7 @@ float norm_span_portable(const void* in, int64_t begin, int64_t n) {
 }
 
 #if MIXPREC_HAVE_X86_V3
-template <NormType T>
-MIXPREC_TARGET_V3 MIXPREC_INLINE __m256 accumulate8(__m256 acc, __m256 x) {
+template <NormType T> MIXPREC_TARGET_V3 MIXPREC_INLINE __m256 accumulate8(__m256 acc, __m256 x) {
   if constexpr (T == NormType::kL2) {
     return _mm256_add_ps(acc, _mm256_mul_ps(x, x));
   } else {
@@ -60,8 +56,7 @@ MIXPREC_TARGET_V3 MIXPREC_INLINE __m256 accumulate8(__m256 acc, __m256 x) {
 }
 
 // AVX2/F16C path: hardware conversions, no staging buffer.
-template <DType D, NormType T>
-MIXPREC_TARGET_V3 float norm_span_v3(const void* in, int64_t begin, int64_t n) {
+template <DType D, NormType T> MIXPREC_TARGET_V3 float norm_span_v3(const void* in, int64_t begin, int64_t n) {
   __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
   int64_t i = begin;
   for (; i + kLanes <= begin + n; i += kLanes) {
@@ -78,8 +73,7 @@ MIXPREC_TARGET_V3 float norm_span_v3(const void* in, int64_t begin, int64_t n) {
 
 using NormSpanFn = float (*)(const void* in, int64_t begin, int64_t n);
 
-template <DType D, NormType T>
-NormSpanFn pick_isa() {
+template <DType D, NormType T> NormSpanFn pick_isa() {
 #if MIXPREC_HAVE_X86_V3
   if (cpu::use_x86_v3()) return &norm_span_v3<D, T>;
 #endif
@@ -110,7 +104,8 @@ void norm_partials_cpu(const NormParams& p, int64_t chunk_begin, int64_t chunk_e
   const NormSpanFn span = pick_span(g.dtypes[0], p.type);
   for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const ChunkRef c = resolve_chunk(g, chunk);
-    p.partials[g.first_chunk[c.tensor] + (chunk - g.chunk_prefix[c.tensor])] = span(g.ptrs[0][c.tensor], c.begin, c.size);
+    p.partials[g.first_chunk[c.tensor] + (chunk - g.chunk_prefix[c.tensor])] =
+        span(g.ptrs[0][c.tensor], c.begin, c.size);
   }
 }
 

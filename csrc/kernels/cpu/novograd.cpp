@@ -18,8 +18,8 @@ MIXPREC_INLINE void update_tile(const NovoGradCoefficients& c, float denom, floa
   for (int64_t i = 0; i < len; ++i) novograd_update<RegInsideMoment>(c, denom, grad[i], w[i], m[i]);
 }
 
-MIXPREC_CPU_CLONES void novograd_chunk(const NovoGradParams& p, const NovoGradCoefficients& c, float denom,
-                                       int64_t t, int64_t begin, int64_t n) {
+MIXPREC_CPU_CLONES void novograd_chunk(const NovoGradParams& p, const NovoGradCoefficients& c, float denom, int64_t t,
+                                       int64_t begin, int64_t n) {
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile];
   const int weight_list = p.has_master ? kNovoGradMaster : kNovoGradParam;

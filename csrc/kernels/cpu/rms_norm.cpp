@@ -45,8 +45,7 @@ MIXPREC_CPU_CLONES void backward_row(float* x, const float* dy, const float* w, 
 }
 
 // Calls f(input tag, weight tag) for the kernel's two dtypes.
-template <class F>
-void with_dtypes(DType input, DType weight, F&& f) {
+template <class F> void with_dtypes(DType input, DType weight, F&& f) {
   cpu::with_dtype(input, [&](auto d) { cpu::with_dtype(weight, [&](auto dw) { f(d, dw); }); });
 }
 

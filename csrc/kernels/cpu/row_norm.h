@@ -9,12 +9,10 @@
 namespace mixprec::kernels::cpu {
 
 // Row r of a contiguous [rows, cols] tensor of dtype D.
-template <DType D>
-MIXPREC_INLINE const void* row_of(const void* base, int64_t r, int64_t cols) {
+template <DType D> MIXPREC_INLINE const void* row_of(const void* base, int64_t r, int64_t cols) {
   return static_cast<const char*>(base) + r * cols * element_size(D);
 }
-template <DType D>
-MIXPREC_INLINE void* row_of(void* base, int64_t r, int64_t cols) {
+template <DType D> MIXPREC_INLINE void* row_of(void* base, int64_t r, int64_t cols) {
   return static_cast<char*>(base) + r * cols * element_size(D);
 }
 

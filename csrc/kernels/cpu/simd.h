@@ -47,8 +47,7 @@ namespace v3 {
 
 // Eight elements from p[i..i+8) as fp32. fp16 widens in hardware (exact, subnormals included);
 // bf16 is the top half of an fp32, so a zero-extend and a shift.
-template <DType D>
-MIXPREC_TARGET_V3 MIXPREC_INLINE __m256 load8(const void* p, int64_t i) {
+template <DType D> MIXPREC_TARGET_V3 MIXPREC_INLINE __m256 load8(const void* p, int64_t i) {
   if constexpr (D == DType::kFloat32) {
     return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   } else {
@@ -60,8 +59,7 @@ MIXPREC_TARGET_V3 MIXPREC_INLINE __m256 load8(const void* p, int64_t i) {
 
 // Eight fp32 values into p[i..i+8), rounded once to nearest even (fp16 in hardware: overflow to
 // inf, NaN stays NaN; bf16 by the same integer rounding as convert.h's float_to_bf16).
-template <DType D>
-MIXPREC_TARGET_V3 MIXPREC_INLINE void store8(void* p, int64_t i, __m256 v) {
+template <DType D> MIXPREC_TARGET_V3 MIXPREC_INLINE void store8(void* p, int64_t i, __m256 v) {
   if constexpr (D == DType::kFloat32) {
     _mm256_storeu_ps(static_cast<float*>(p) + i, v);
   } else {
@@ -71,10 +69,11 @@ MIXPREC_TARGET_V3 MIXPREC_INLINE void store8(void* p, int64_t i, __m256 v) {
     } else {
       const __m256i u = _mm256_castps_si256(v);
       const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-      const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+      const __m256i rounded =
+          _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
       const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                             _mm256_set1_epi32(0x7f800000));
+      const __m256i nan =
+          _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
       const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
       // Pack the 32-bit lanes (all <= 0xffff) to 16 bits; the pack works per 128-bit half, so the
       // quadwords are put back in order before the low half is taken.

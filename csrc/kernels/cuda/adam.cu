@@ -15,8 +15,7 @@ void adam_cuda(const AdamParams& p, Stream stream) {
         constexpr bool kStore = decltype(store)::value;
         if (g.dtypes[kAdamExpAvg] == DType::kBFloat16)
           launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, __nv_bfloat16, kStore>{p}, stream);
-        else
-          launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, float, kStore>{p}, stream);
+        else launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, float, kStore>{p}, stream);
       });
     });
   });

@@ -14,9 +14,9 @@
 namespace mixprec::kernels {
 namespace {
 
-constexpr int kLanes = 32;      // threads across a column tile
-constexpr int kRowGroups = 8;   // threads down the rows
-constexpr int kMaxVector = 8;   // elements in a 16-byte vector of 2-byte values
+constexpr int kLanes = 32;     // threads across a column tile
+constexpr int kRowGroups = 8;  // threads down the rows
+constexpr int kMaxVector = 8;  // elements in a 16-byte vector of 2-byte values
 // Each thread of pass 1 reads at least this many rows: with 4 loads in flight per thread, fewer
 // would not hide the memory latency, and more splits only lengthen pass 2. (An H200 measured
 // 14.6 us for a 4096 x 1280 fp16 sum with 4 rows per thread and one pass-2 thread per column

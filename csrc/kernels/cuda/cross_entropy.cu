@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kBlockThreads) cross_entropy_forward_kernel(co
     // (max - x_t) + log_sum, not lse - x_t: when the target dominates the row the loss is tiny and
     // lse - x_t would be all rounding error of lse; max - x_t is exact there (Sterbenz). A target
     // out of range cannot be reported without a host sync: the row's loss becomes NaN.
-    p.losses[row] = t == p.ignore_index         ? 0.f
+    p.losses[row] = t == p.ignore_index           ? 0.f
                     : target_in_range(t, p.vocab) ? (row_max - to_float(x[t])) + log_sum
                                                   : NAN;
   }

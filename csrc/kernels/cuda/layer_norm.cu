@@ -22,8 +22,8 @@ constexpr int kSets = 2;  // the backward's shared rows per warp: dw, then db
 // into registers and the three passes (sum, squared deviations, output) unpack them; before, each
 // pass walked the row one dependent load at a time (re-reads from the cache, still a latency each).
 template <typename T, int kStrides>
-__global__ void __launch_bounds__(kForwardWarps * 32) layer_norm_forward_kernel(const LayerNormForwardParams p,
-                                                                               bool vec_ok) {
+__global__ void __launch_bounds__(kForwardWarps * 32)
+    layer_norm_forward_kernel(const LayerNormForwardParams p, bool vec_ok) {
   constexpr int V = row_vector<T>();
   constexpr int kWords = kStrides > 0 ? kStrides : 1;
   const int lane = threadIdx.x & 31;
@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(kForwardWarps * 32) layer_norm_forward_kernel(
 // width) each pass walked the row one dependent 16-byte load at a time, and 4096 x 1280 ran
 // latency-bound at a quarter of the copy bandwidth (benchmarks/RESULTS.md).
 template <typename T, int kStrides>
-__global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM) layer_norm_backward_kernel(const LayerNormBackwardParams p,
-                                                                                 bool vec_ok) {
+__global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM)
+    layer_norm_backward_kernel(const LayerNormBackwardParams p, bool vec_ok) {
   constexpr int V = row_vector<T>();
   constexpr int kWords = kStrides > 0 ? kStrides : 1;
   extern __shared__ float shared_rows[];  // [warps][2][padded cols]: dw, then db, per warp
@@ -150,8 +150,8 @@ void layer_norm_forward_cuda(const LayerNormForwardParams& p, Stream stream) {
   if (p.rows == 0 || p.cols == 0) return;
   dispatch_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const bool vec_ok = p.cols % vec_elems<T>() == 0 && aligned16(p.input) && aligned16(p.out) &&
-                        aligned16(p.weight) && aligned16(p.bias);
+    const bool vec_ok = p.cols % vec_elems<T>() == 0 && aligned16(p.input) && aligned16(p.out) && aligned16(p.weight) &&
+                        aligned16(p.bias);
     const auto blocks = static_cast<unsigned>((p.rows + kForwardWarps - 1) / kForwardWarps);
     const auto kernel = kernel_for(row_strides(p.dtype, p.cols),
                                    [](auto k) { return &layer_norm_forward_kernel<T, decltype(k)::value>; });

@@ -19,8 +19,8 @@ constexpr int kSets = 1;  // the backward's shared rows per warp: dw
 // T: input/output storage, TW: weight storage (T's or float). The weight's vector is read with
 // T's width (8 fp32 weights are two 16-byte words).
 template <typename T, typename TW, int kStrides>
-__global__ void __launch_bounds__(kForwardWarps * 32) rms_norm_forward_kernel(const RmsNormForwardParams p,
-                                                                             bool vec_ok) {
+__global__ void __launch_bounds__(kForwardWarps * 32)
+    rms_norm_forward_kernel(const RmsNormForwardParams p, bool vec_ok) {
   constexpr int V = row_vector<T>();
   constexpr int kWords = kStrides > 0 ? kStrides : 1;
   const int lane = threadIdx.x & 31;
@@ -110,8 +110,7 @@ __global__ void __launch_bounds__(kBackwardWarps * 32, kBackwardBlocksPerSM)
 }
 
 // Calls f(T{}, TW{}) for the input dtype and the weight dtype (the input's, or float32).
-template <typename F>
-void dispatch_dtypes(DType input, DType weight, F&& f) {
+template <typename F> void dispatch_dtypes(DType input, DType weight, F&& f) {
   dispatch_dtype(input, [&](auto tag) {
     using T = decltype(tag);
     if (weight == DType::kFloat32) f(T{}, float{});

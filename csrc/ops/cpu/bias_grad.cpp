@@ -7,9 +7,7 @@
 namespace mixprec::detail {
 namespace {
 
-int64_t cpu_splits(kernels::DType /*dtype*/, int64_t rows, int64_t /*cols*/) {
-  return kernels::cpu_row_splits(rows);
-}
+int64_t cpu_splits(kernels::DType /*dtype*/, int64_t rows, int64_t /*cols*/) { return kernels::cpu_row_splits(rows); }
 
 void run(const kernels::BiasGradParams& p) {
   at::parallel_for(0, p.splits, 1, [&](int64_t b, int64_t e) { kernels::bias_grad_partials_cpu(p, b, e); });

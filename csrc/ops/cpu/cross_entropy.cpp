@@ -28,8 +28,8 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_forward_cpu(const at::Tensor& l
   return cross_entropy_forward_impl(logits, target, ignore_index, kRunners);
 }
 
-at::Tensor cross_entropy_backward_cpu(const at::Tensor& grad_losses, const at::Tensor& logits,
-                                      const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index) {
+at::Tensor cross_entropy_backward_cpu(const at::Tensor& grad_losses, const at::Tensor& logits, const at::Tensor& target,
+                                      const at::Tensor& lse, int64_t ignore_index) {
   return cross_entropy_backward_impl(grad_losses, logits, target, lse, ignore_index, kRunners);
 }
 

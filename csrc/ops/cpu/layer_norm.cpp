@@ -12,9 +12,7 @@ void forward(const kernels::LayerNormForwardParams& p) {
   at::parallel_for(0, p.rows, 16, [&](int64_t b, int64_t e) { kernels::layer_norm_forward_cpu(p, b, e); });
 }
 
-int64_t cpu_splits(kernels::DType /*dtype*/, int64_t rows, int64_t /*cols*/) {
-  return kernels::cpu_row_splits(rows);
-}
+int64_t cpu_splits(kernels::DType /*dtype*/, int64_t rows, int64_t /*cols*/) { return kernels::cpu_row_splits(rows); }
 
 void backward(const kernels::LayerNormBackwardParams& p) {
   if (p.partials == nullptr) {  // the input gradient alone: rows in any blocks

@@ -19,9 +19,10 @@ void non_finite_check_and_unscale_cpu(at::TensorList grads, const std::optional<
 }
 
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                      const std::optional<at::Tensor>& hysteresis_tracker, const std::optional<at::Tensor>& skipped_steps,
-                      const at::Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
-                      int64_t hysteresis, double min_scale, double max_scale) {
+                      const std::optional<at::Tensor>& hysteresis_tracker,
+                      const std::optional<at::Tensor>& skipped_steps, const at::Tensor& found_inf, double growth_factor,
+                      double backoff_factor, int64_t growth_interval, int64_t hysteresis, double min_scale,
+                      double max_scale) {
   update_scale_impl(scale, growth_tracker, hysteresis_tracker, skipped_steps, found_inf, growth_factor, backoff_factor,
                     growth_interval, hysteresis, min_scale, max_scale, kernels::update_scale_cpu);
 }

@@ -8,8 +8,7 @@ namespace mixprec::detail {
 namespace {
 
 // Runs kernel(p, chunk_begin, chunk_end) over the chunks of p's group in parallel.
-template <class Params, void (*Kernel)(const Params&, int64_t, int64_t)>
-void parallel(const Params& p) {
+template <class Params, void (*Kernel)(const Params&, int64_t, int64_t)> void parallel(const Params& p) {
   at::parallel_for(0, p.group->total_chunks(), 1, [&](int64_t b, int64_t e) { Kernel(p, b, e); });
 }
 

@@ -8,9 +8,9 @@
 namespace mixprec::detail {
 namespace {
 
-const BiasGradRunner kRunner{
-    kernels::bias_grad_cuda_splits,
-    [](const kernels::BiasGradParams& p) { kernels::bias_grad_cuda(p, at::cuda::getCurrentCUDAStream().stream()); }};
+const BiasGradRunner kRunner{kernels::bias_grad_cuda_splits, [](const kernels::BiasGradParams& p) {
+                               kernels::bias_grad_cuda(p, at::cuda::getCurrentCUDAStream().stream());
+                             }};
 
 at::Tensor linear_bias_grad_cuda(const at::Tensor& grad) { return linear_bias_grad_impl(grad, kRunner); }
 

@@ -25,8 +25,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_cuda(const at:
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(const at::Tensor& grad_out,
-                                                                        const at::Tensor& input,
-                                                                        const at::Tensor& mean, const at::Tensor& rstd,
+                                                                        const at::Tensor& input, const at::Tensor& mean,
+                                                                        const at::Tensor& rstd,
                                                                         const std::optional<at::Tensor>& weight,
                                                                         std::array<bool, 3> output_mask) {
   // The backward keeps two fp32 rows per warp in shared memory (kernels/layer_norm.h).

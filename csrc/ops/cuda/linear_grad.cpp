@@ -30,8 +30,7 @@ void check_lt(cublasStatus_t status, const char* call) {
 }
 
 // Owners of cuBLASLt's descriptors, destroyed on every exit path.
-template <typename T, cublasStatus_t (*Destroy)(T)>
-struct LtDeleter {
+template <typename T, cublasStatus_t (*Destroy)(T)> struct LtDeleter {
   void operator()(std::remove_pointer_t<T>* d) const { Destroy(d); }
 };
 using MatmulDesc = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulDesc_t>,
@@ -48,8 +47,7 @@ Layout make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) 
   return Layout(layout);
 }
 
-template <typename V>
-void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
+template <typename V> void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const V& value) {
   check_lt(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), "cublasLtMatmulDescSetAttribute");
 }
 
@@ -77,8 +75,8 @@ bool lt_takes(const at::Tensor& grad, const at::Tensor& input) {
   auto aligned = [](const at::Tensor& t) {
     return t.size(1) > 0 && t.size(1) % 8 == 0 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   };
-  return (d == at::kHalf || d == at::kBFloat16) && grad.size(0) > 0 && grad.size(0) <= limit &&
-         grad.size(1) <= limit && input.size(1) <= limit && aligned(grad) && aligned(input);
+  return (d == at::kHalf || d == at::kBFloat16) && grad.size(0) > 0 && grad.size(0) <= limit && grad.size(1) <= limit &&
+         input.size(1) <= limit && aligned(grad) && aligned(input);
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_weight_bias_grad_cuda(const at::Tensor& grad, const at::Tensor& input) {

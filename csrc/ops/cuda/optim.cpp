@@ -10,8 +10,7 @@ namespace {
 kernels::Stream current_stream() { return at::cuda::getCurrentCUDAStream().stream(); }
 
 // Runs kernel(p, stream) on the current stream: a runner of the type the impls call.
-template <class Params, void (*Kernel)(const Params&, kernels::Stream)>
-void on_stream(const Params& p) {
+template <class Params, void (*Kernel)(const Params&, kernels::Stream)> void on_stream(const Params& p) {
   Kernel(p, current_stream());
 }
 

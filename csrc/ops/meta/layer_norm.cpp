@@ -19,8 +19,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_meta(const at:
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_meta(const at::Tensor& grad_out,
-                                                                        const at::Tensor& input,
-                                                                        const at::Tensor& mean, const at::Tensor& rstd,
+                                                                        const at::Tensor& input, const at::Tensor& mean,
+                                                                        const at::Tensor& rstd,
                                                                         const std::optional<at::Tensor>& weight,
                                                                         std::array<bool, 3> output_mask) {
   check_layer_norm_backward(grad_out, input, mean, rstd, weight);

@@ -6,9 +6,9 @@
 
 namespace mixprec::optim {
 
-#define MIXPREC_FUSED_ADAGRAD_OWN_OPTIONS(X)  \
+#define MIXPREC_FUSED_ADAGRAD_OWN_OPTIONS(X) \
   X(double, lr, 1e-2)                        \
-  X(double, initial_accumulator_value, 0.0) \
+  X(double, initial_accumulator_value, 0.0)  \
   X(bool, master_weights, false)
 
 // Apex's FusedAdagrad defaults (adagrad_w_mode: decoupled decay, w -= lr * (g / (sqrt(sum) + eps)

@@ -38,8 +38,7 @@ class FusedParamState : public torch::optim::OptimizerParamState {
   void serialize(torch::serialize::InputArchive& archive) override;
 };
 
-template <class Derived>
-class FusedCloneableParamState : public FusedParamState {
+template <class Derived> class FusedCloneableParamState : public FusedParamState {
  public:
   std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
     return std::make_unique<Derived>(static_cast<const Derived&>(*this));
@@ -50,14 +49,12 @@ class FusedCloneableParamState : public FusedParamState {
 // accessor pair each (s.exp_avg(), s.exp_avg(t)), and slots() under their own names.
 #define MIXPREC_STATE_TENSOR(key) TORCH_ARG(at::Tensor, key);
 #define MIXPREC_STATE_SLOT(key) {#key, &key##_},
-#define MIXPREC_FUSED_PARAM_STATE(Name, TENSORS)                                   \
-  struct Name : public FusedCloneableParamState<Name> {                            \
-    TENSORS(MIXPREC_STATE_TENSOR)                                                  \
-                                                                                   \
-   public:                                                                         \
-    std::vector<Slot> slots() override {                                           \
-      return {{"master_param", &master_param()}, TENSORS(MIXPREC_STATE_SLOT)};     \
-    }                                                                              \
+#define MIXPREC_FUSED_PARAM_STATE(Name, TENSORS)                                                                    \
+  struct Name : public FusedCloneableParamState<Name> {                                                             \
+    TENSORS(MIXPREC_STATE_TENSOR)                                                                                   \
+                                                                                                                    \
+   public:                                                                                                          \
+    std::vector<Slot> slots() override { return {{"master_param", &master_param()}, TENSORS(MIXPREC_STATE_SLOT)}; } \
   }
 
 // What the base needs from every family's options class (FusedAdamOptions, ...): the learning
@@ -109,9 +106,9 @@ class FusedOptimizer : public torch::optim::Optimizer {
   // An independent copy bound to `params` (one per parameter of this optimizer, in group order,
   // each of the dtype and shape of the one it replaces; any device): the same groups and options,
   // deep copies of every state tensor (moments, masters) and step count, moved to the new
-  // params' devices and laid out as the new params are. torch::optim has no clone; this is what copying an optimizer means here.
-  // The loss-scaling hand-off (set_grad_scaling) is not copied. Each family's clone() returns its
-  // own type (see MIXPREC_FUSED_OPTIMIZER_CLASS).
+  // params' devices and laid out as the new params are. torch::optim has no clone; this is what copying an optimizer
+  // means here. The loss-scaling hand-off (set_grad_scaling) is not copied. Each family's clone() returns its own type
+  // (see MIXPREC_FUSED_OPTIMIZER_CLASS).
   std::unique_ptr<FusedOptimizer> clone_base(const std::vector<at::Tensor>& params) const;
 
   // "mixprec::optim::FusedAdam" etc., the prefix of every error message.
@@ -173,10 +170,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
   void finish_construction();
   const FusedOptions& options_of(size_t group) const;
   FusedParamState& state_of(const at::Tensor& p);
-  template <class State>
-  State& state_as(const at::Tensor& p) {
-    return static_cast<State&>(state_of(p));
-  }
+  template <class State> State& state_as(const at::Tensor& p) { return static_cast<State&>(state_of(p)); }
   // The grads of `params`, for the op.
   static std::vector<at::Tensor> grads_of(const std::vector<at::Tensor>& params);
   // A new state tensor of `p`: zeros of `dtype` in p's layout (channels_last stays channels_last:
@@ -209,8 +203,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
 
 // What a family's optimizer class shares with every other: its options and state classes, and
 // the lists of state tensors its op takes.
-template <class Options, class State>
-class FusedOptimizerOf : public FusedOptimizer {
+template <class Options, class State> class FusedOptimizerOf : public FusedOptimizer {
  protected:
   using FusedOptimizer::FusedOptimizer;
 
@@ -227,8 +220,7 @@ class FusedOptimizerOf : public FusedOptimizer {
   }
   static const Options& options_as(const FusedOptions& o) { return static_cast<const Options&>(o); }
   // get(state) of every param, in order: the op's list of one state tensor.
-  template <class Get>
-  std::vector<at::Tensor> gather(const std::vector<at::Tensor>& params, Get get) {
+  template <class Get> std::vector<at::Tensor> gather(const std::vector<at::Tensor>& params, Get get) {
     std::vector<at::Tensor> out;
     out.reserve(params.size());
     for (const auto& p : params) out.push_back(get(state_as<State>(p)));
@@ -242,25 +234,24 @@ class FusedOptimizerOf : public FusedOptimizer {
 // with `Options` defaults (their default argument, e.g. `= {}`, as the optional last macro
 // argument); clone(params) returning the family's own type, and the factory that
 // FusedOptimizer::clone_base calls (a new `Family` with this one's defaults).
-#define MIXPREC_FUSED_OPTIMIZER_CLASS(Family, Options, ...)                                                 \
- public:                                                                                                   \
-  explicit Family(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,                      \
-                  Options defaults __VA_ARGS__);                                                           \
-  explicit Family(std::vector<at::Tensor> params, Options defaults __VA_ARGS__)                            \
-      : Family({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}             \
-  std::unique_ptr<Family> clone(const std::vector<at::Tensor>& params) const {                             \
-    return std::unique_ptr<Family>(static_cast<Family*>(clone_base(params).release()));                    \
-  }                                                                                                        \
-                                                                                                           \
- protected:                                                                                                \
-  std::unique_ptr<FusedOptimizer> make_empty(const std::vector<torch::optim::OptimizerParamGroup>& groups) \
-      const override {                                                                                     \
-    return std::make_unique<Family>(groups, static_cast<const Options&>(*defaults_));                     \
+#define MIXPREC_FUSED_OPTIMIZER_CLASS(Family, Options, ...)                                                          \
+ public:                                                                                                             \
+  explicit Family(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, Options defaults __VA_ARGS__); \
+  explicit Family(std::vector<at::Tensor> params, Options defaults __VA_ARGS__)                                      \
+      : Family({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}                       \
+  std::unique_ptr<Family> clone(const std::vector<at::Tensor>& params) const {                                       \
+    return std::unique_ptr<Family>(static_cast<Family*>(clone_base(params).release()));                              \
+  }                                                                                                                  \
+                                                                                                                     \
+ protected:                                                                                                          \
+  std::unique_ptr<FusedOptimizer> make_empty(const std::vector<torch::optim::OptimizerParamGroup>& groups)           \
+      const override {                                                                                               \
+    return std::make_unique<Family>(groups, static_cast<const Options&>(*defaults_));                                \
   }
 
 // In a family's class body: the two steps every family implements (see FusedOptimizer).
 #define MIXPREC_FUSED_OPTIMIZER_STEP()                                                                      \
- protected:                                                                                                \
+ protected:                                                                                                 \
   void init_param_state(const at::Tensor& p, const FusedOptions& options, FusedParamState& state) override; \
   void step_group(size_t index, const std::vector<at::Tensor>& params, const FusedOptions& options,         \
                   const StepArgs& args) override;

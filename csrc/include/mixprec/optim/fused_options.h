@@ -19,19 +19,16 @@
 namespace mixprec::optim {
 namespace internal {
 
-template <class Args, class = void>
-struct has_betas : std::false_type {};
+template <class Args, class = void> struct has_betas : std::false_type {};
 template <class Args>
 struct has_betas<Args, std::void_t<decltype(std::declval<Args&>().beta1), decltype(std::declval<Args&>().beta2)>>
     : std::true_type {};
 
 // torch::optim's `betas` tuple for the families whose op takes beta1 and beta2: the one place the
 // tuple is mapped onto the two fields (which also have accessors and checkpoint keys of their own).
-template <class Derived, bool kHasBetas>
-class BetasAccessor {};
+template <class Derived, bool kHasBetas> class BetasAccessor {};
 
-template <class Derived>
-class BetasAccessor<Derived, true> {
+template <class Derived> class BetasAccessor<Derived, true> {
  public:
   typedef std::tuple<double, double> betas_t;
   Derived& betas(const betas_t& b) {
@@ -52,8 +49,7 @@ class BetasAccessor<Derived, true> {
 // its fields with MIXPREC_FUSED_OPTIONS_FIELDS and has lr and master_weights among them. Defined
 // in the library (csrc/api/fused_options_impl.h), instantiated once per family.
 template <class Derived, class Args>
-class FusedOptionsFor : public FusedOptions,
-                        public internal::BetasAccessor<Derived, internal::has_betas<Args>::value> {
+class FusedOptionsFor : public FusedOptions, public internal::BetasAccessor<Derived, internal::has_betas<Args>::value> {
  public:
   using args_type = Args;
 
@@ -94,15 +90,14 @@ class FusedOptionsFor : public FusedOptions,
 // In the body of a family's options class `Self` (derived from FusedOptionsFor<Self, Args>): the
 // fields of the op's list ARGS and of the option-only list OWN (X-macros of X(type, name,
 // default)), and for_each_field, through which FusedOptionsFor reaches all of them.
-#define MIXPREC_FUSED_OPTIONS_FIELDS(Self_, ARGS, OWN)                                         \
-  ARGS(MIXPREC_OPTIONS_ACCESSORS)                                                             \
-  OWN(MIXPREC_OPTIONS_ACCESSORS)                                                              \
-                                                                                              \
- public:                                                                                      \
-  static constexpr const char* options_name() { return #Self_; }                              \
-  template <class F>                                                                          \
-  static void for_each_field(F&& f) {                                                         \
-    using Self = Self_;                                                                       \
-    ARGS(MIXPREC_OPTIONS_VISIT_ARG)                                                           \
-    OWN(MIXPREC_OPTIONS_VISIT_OWN)                                                            \
+#define MIXPREC_FUSED_OPTIONS_FIELDS(Self_, ARGS, OWN)           \
+  ARGS(MIXPREC_OPTIONS_ACCESSORS)                                \
+  OWN(MIXPREC_OPTIONS_ACCESSORS)                                 \
+                                                                 \
+ public:                                                         \
+  static constexpr const char* options_name() { return #Self_; } \
+  template <class F> static void for_each_field(F&& f) {         \
+    using Self = Self_;                                          \
+    ARGS(MIXPREC_OPTIONS_VISIT_ARG)                              \
+    OWN(MIXPREC_OPTIONS_VISIT_OWN)                               \
   }
