@@ -1,6 +1,5 @@
 // Validation and packing for the fused Adagrad op (declared in mixprec/optim_args.h); the
 // kernels run through each backend's AdagradRunners (ops/optim.h).
-#include <c10/core/DeviceGuard.h>
 
 #include <cmath>
 
@@ -31,16 +30,11 @@ void adagrad_impl(const AdagradInputs& in, const AdagradRunners& run, bool valid
       pack_lists(kOp, {param_list, grad_list(in.grads), sum_list, master_list}, device, kInPlaceUpdate);
   if (validate_only) return;
 
-  const c10::DeviceGuard guard(device);
-  if (in.step.step_tensor) run.increment_step(step_tensor_ptr(in.step.step_tensor), scalars.found_inf);
   kernels::AdagradParams p;
   p.scalars = scalars;
   p.args = a;
   p.has_master = has_master;
-  for (const kernels::TensorGroup& g : packed.groups) {
-    p.group = &g;
-    run.step(p);
-  }
+  run_update(run, packed, device, in.step, p);
 }
 
 }  // namespace mixprec::detail

@@ -1,6 +1,5 @@
 // Validation and packing for the fused Adam/AdamW op (declared in mixprec/optim_args.h); the
 // kernels run through each backend's AdamRunners (ops/optim.h).
-#include <c10/core/DeviceGuard.h>
 
 #include <cmath>
 
@@ -36,8 +35,6 @@ void adam_impl(const AdamInputs& in, const AdamRunners& run, bool validate_only)
       kOp, {param_list, grad_list(in.grads), avg_list, sq_list, max_list, master_list}, device, kInPlaceUpdate);
   if (validate_only) return;
 
-  const c10::DeviceGuard guard(device);
-  if (in.step.step_tensor) run.increment_step(step_tensor_ptr(in.step.step_tensor), scalars.found_inf);
   kernels::AdamParams p;
   p.scalars = scalars;
   p.args = a;
@@ -47,10 +44,7 @@ void adam_impl(const AdamInputs& in, const AdamRunners& run, bool validate_only)
   p.log_beta2 = static_cast<float>(std::log(a.beta2));
   p.amsgrad = amsgrad;
   p.has_master = has_master;
-  for (const kernels::TensorGroup& g : packed.groups) {
-    p.group = &g;
-    run.step(p);
-  }
+  run_update(run, packed, device, in.step, p);
 }
 
 }  // namespace mixprec::detail

@@ -12,6 +12,7 @@
 #include <optional>
 #include <vector>
 
+#include <c10/core/DeviceGuard.h>
 #include <mixprec/ops.h>  // StepArgs, the Args structs
 
 #include "kernels/adagrad.h"
@@ -21,6 +22,7 @@
 #include "kernels/novograd.h"
 #include "kernels/sgd.h"
 #include "ops/norm.h"
+#include "ops/optim_common.h"
 #include "ops/tensor_lists.h"
 
 namespace mixprec::detail {
@@ -52,23 +54,19 @@ struct ListRef {
 
 // Struct##Inputs: one call of the family's op, its members named as in the schema; read() takes
 // the arguments in schema order (library.cpp builds the schema from the same lists).
-#define MIXPREC_DEFINE_OPTIM_INPUTS(op, Struct, MACRO)                                      \
-  struct Struct##Inputs {                                                                  \
-    MIXPREC_##MACRO##_TENSORS(MIXPREC_OPTIM_MEMBER)                                        \
-    Struct##Args args;                                                                     \
-    StepArgs step;                                                                         \
-    MIXPREC_##MACRO##_EXTRAS(MIXPREC_OPTIM_EXTRA_MEMBER)                                   \
-    void read(const c10::IValue* it) {                                                     \
-      MIXPREC_##MACRO##_TENSORS(MIXPREC_OPTIM_READ)                                        \
-      read_value(*it++, step.step_tensor);                                                 \
-      read_value(*it++, step.lr);                                                          \
-      MIXPREC_##MACRO##_ARGS(MIXPREC_OPTIM_READ_ARG)                                       \
-      read_value(*it++, step.step);                                                        \
-      read_value(*it++, step.lr_tensor);                                                   \
-      read_value(*it++, step.grad_scale);                                                  \
-      read_value(*it++, step.found_inf);                                                   \
-      MIXPREC_##MACRO##_EXTRAS(MIXPREC_OPTIM_READ_EXTRA)                                   \
-    }                                                                                      \
+#define MIXPREC_DEFINE_OPTIM_INPUTS(op, Struct, MACRO)                                            \
+  struct Struct##Inputs {                                                                         \
+    MIXPREC_##MACRO##_TENSORS(MIXPREC_OPTIM_MEMBER) Struct##Args args;                            \
+    StepArgs step;                                                                                \
+    MIXPREC_##MACRO##_EXTRAS(MIXPREC_OPTIM_EXTRA_MEMBER) void read(const c10::IValue* it) {       \
+      MIXPREC_##MACRO##_TENSORS(MIXPREC_OPTIM_READ) read_value(*it++, step.step_tensor);          \
+      read_value(*it++, step.lr);                                                                 \
+      MIXPREC_##MACRO##_ARGS(MIXPREC_OPTIM_READ_ARG) read_value(*it++, step.step);                \
+      read_value(*it++, step.lr_tensor);                                                          \
+      read_value(*it++, step.grad_scale);                                                         \
+      read_value(*it++, step.found_inf);                                                          \
+      MIXPREC_##MACRO##_EXTRAS(MIXPREC_OPTIM_READ_EXTRA)                                          \
+    }                                                                                             \
     std::vector<ListRef> lists() const { return {MIXPREC_##MACRO##_TENSORS(MIXPREC_OPTIM_REF)}; } \
   };
 MIXPREC_OPTIM_FAMILIES(MIXPREC_DEFINE_OPTIM_INPUTS)
@@ -77,8 +75,7 @@ MIXPREC_OPTIM_FAMILIES(MIXPREC_DEFINE_OPTIM_INPUTS)
 // The one empty-list rule of every family, called by each impl once its hyper-parameters are
 // checked: params empty means a step over nothing, which returns at once (true) provided every
 // other tensor list is empty too; nothing is touched, not even step_tensor.
-template <class Inputs>
-bool nothing_to_step(const char* op, const Inputs& in) {
+template <class Inputs> bool nothing_to_step(const char* op, const Inputs& in) {
   if (!in.params.empty()) return false;
   for (const ListRef& l : in.lists())
     TORCH_CHECK_VALUE(l.tensors->empty(), arg_name(op, "params"), " is empty but ", l.list_name, " has ",
@@ -88,6 +85,19 @@ bool nothing_to_step(const char* op, const Inputs& in) {
 
 // ---- each backend's pieces, called by the impls in this order ------------------------------
 using IncrementStep = void (*)(float* step_tensor, const float* found_inf);
+
+// The end of a single-pass family's step, after its checks: count the step on the device (the
+// kernel leaves it alone when found_inf is set) and run the update over every packed group.
+template <class Params, class Runners>
+void run_update(const Runners& run, const PackedLists& packed, const at::Device& device, const StepArgs& step,
+                Params& p) {
+  const c10::DeviceGuard guard(device);
+  if (step.step_tensor) run.increment_step(step_tensor_ptr(step.step_tensor), p.scalars.found_inf);
+  for (const kernels::TensorGroup& g : packed.groups) {
+    p.group = &g;
+    run.step(p);
+  }
+}
 
 struct AdamRunners {
   IncrementStep increment_step;
@@ -132,8 +142,7 @@ void novograd_impl(const NovoGradInputs& in, const NovoGradRunners& run, bool va
 // ---- the boxed kernel ------------------------------------------------------------------------
 // Reads the call off the stack into the family's Inputs and runs its impl with one backend's
 // runners: the step (`<op>_`) or its validate-only twin (`<op>_check`).
-template <class Inputs, class Runners>
-class OptimKernel final : public c10::OperatorKernel {
+template <class Inputs, class Runners> class OptimKernel final : public c10::OperatorKernel {
  public:
   using Impl = void (*)(const Inputs&, const Runners&, bool);
   OptimKernel(Impl impl, Runners run, bool validate_only) : impl_(impl), run_(run), validate_only_(validate_only) {}
@@ -153,17 +162,19 @@ class OptimKernel final : public c10::OperatorKernel {
 };
 
 template <class Inputs, class Runners>
-void register_optim(torch::Library& m, const char* op, const char* check, void (*impl)(const Inputs&, const Runners&, bool),
-                    const Runners& run) {
-  m.impl(op, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<OptimKernel<Inputs, Runners>>(impl, run, false)));
-  m.impl(check, torch::CppFunction::makeFromBoxedFunctor(std::make_unique<OptimKernel<Inputs, Runners>>(impl, run, true)));
+void register_optim(torch::Library& m, const char* op, const char* check,
+                    void (*impl)(const Inputs&, const Runners&, bool), const Runners& run) {
+  m.impl(op,
+         torch::CppFunction::makeFromBoxedFunctor(std::make_unique<OptimKernel<Inputs, Runners>>(impl, run, false)));
+  m.impl(check,
+         torch::CppFunction::makeFromBoxedFunctor(std::make_unique<OptimKernel<Inputs, Runners>>(impl, run, true)));
 }
 
 }  // namespace mixprec::detail
 
 // Registers family `op` (adam, sgd, ...) and its validate-only twin for dispatch key KEY, with
 // that backend's runners (a <Family>Runners value): the one line a backend writes per family.
-#define MIXPREC_REGISTER_OPTIM(op, KEY, runners)                                                           \
-  TORCH_LIBRARY_IMPL(mixprec, KEY, m) {                                                                    \
+#define MIXPREC_REGISTER_OPTIM(op, KEY, runners)                                                         \
+  TORCH_LIBRARY_IMPL(mixprec, KEY, m) {                                                                  \
     ::mixprec::detail::register_optim(m, #op "_", #op "_check", &::mixprec::detail::op##_impl, runners); \
   }

@@ -1,6 +1,5 @@
 // Validation and packing for the fused SGD op (declared in mixprec/optim_args.h); the kernels
 // run through each backend's SgdRunners (ops/optim.h).
-#include <c10/core/DeviceGuard.h>
 
 #include <cmath>
 
@@ -21,7 +20,8 @@ void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
                     " requires momentum > 0 and dampening == 0, got momentum ", num(momentum), " and dampening ",
                     num(dampening));
   const bool use_momentum = momentum != 0;
-  TORCH_CHECK_VALUE(use_momentum == present(in.momentum_buffers) || in.params.empty(), arg_name(kOp, "momentum_buffers"),
+  TORCH_CHECK_VALUE(use_momentum == present(in.momentum_buffers) || in.params.empty(),
+                    arg_name(kOp, "momentum_buffers"),
                     use_momentum ? " must hold one float32 buffer per param when momentum != 0"
                                  : " must be empty when momentum == 0");
   if (nothing_to_step(kOp, in)) return;
@@ -41,16 +41,11 @@ void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
       pack_lists(kOp, {param_list, grad_list(in.grads), momentum_list, master_list}, device, kInPlaceUpdate);
   if (validate_only) return;
 
-  const c10::DeviceGuard guard(device);
-  if (in.step.step_tensor) run.increment_step(step_tensor_ptr(in.step.step_tensor), scalars.found_inf);
   kernels::SgdParams p;
   p.scalars = scalars;
   p.args = a;
   p.has_master = has_master;
-  for (const kernels::TensorGroup& g : packed.groups) {
-    p.group = &g;
-    run.step(p);
-  }
+  run_update(run, packed, device, in.step, p);
 }
 
 }  // namespace mixprec::detail
