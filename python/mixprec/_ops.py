@@ -9,6 +9,7 @@ shards are reduced across ranks between the op's passes (``_dtensor.reduce_shard
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 import torch
@@ -174,18 +175,37 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _ops.linear(input, weight, bias)
 
 
+def _norm_args(call: str, input: torch.Tensor, normalized_shape) -> list[int]:
+    """normalized_shape as the op's int list, after the checks whose failures would otherwise read
+    as some other error (a str split into digits, a float "not iterable", a sparse layout)."""
+    if isinstance(input, torch.Tensor) and input.layout != torch.strided:
+        raise ValueError(f"{call}: input must be a dense (strided) tensor, got layout {input.layout}")
+    dims = normalized_shape if isinstance(normalized_shape, Sequence) else [normalized_shape]
+    try:
+        if isinstance(dims, (str, bytes)) or any(isinstance(d, bool) for d in dims):
+            raise TypeError
+        return [operator.index(d) for d in dims]  # ints, numpy ints, 0-dim integer tensors
+    except TypeError:
+        raise TypeError(f"{call}: normalized_shape must be an int or a sequence of ints, "
+                        f"got {normalized_shape!r}") from None
+
+
 def layer_norm(input: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
                bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
     """``torch.nn.functional.layer_norm`` on mixprec's kernels: one warp per row, statistics and
     gradients in float32, and the weight and bias gradients as deterministic sums accumulated
     while the input gradient is computed. float64 inputs, and on CUDA normalized sizes past
     12288, use torch's LayerNorm. The autograd node is C++, as torch's is."""
-    shape = [int(normalized_shape)] if isinstance(normalized_shape, int) else [int(d) for d in normalized_shape]
-    return _ops.layer_norm(input, shape, weight, bias, float(eps))
+    return _ops.layer_norm(input, _norm_args("mixprec.layer_norm", input, normalized_shape), weight, bias, float(eps))
 
 
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     """Multiplies every tensor in place by the device scalar ``scale`` (e.g. a clip coefficient)."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+        what = (f"a {scale.dtype} tensor of {scale.numel()} elements" if isinstance(scale, torch.Tensor)
+                else type(scale).__name__)
+        raise TypeError(f"mixprec.scale_: scale must be a one-element float32 tensor on the tensors' device, "
+                        f"got {what}")
     (tensors,) = local_lists("scale_", (tensors,))
     _ops.non_finite_check_and_unscale_(tensors, None, scale, [], None)
 
@@ -384,5 +404,5 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: Optional[torch.Tenso
     fp16/bf16 inputs (Apex's MixedFusedRMSNorm); the output keeps the input's dtype. ``eps=None``
     is ``torch.finfo(input.dtype).eps``, as in torch. float64 inputs, and on CUDA normalized sizes
     past 24576, use torch's rms_norm. The autograd node is C++, as layer_norm's."""
-    shape = [int(normalized_shape)] if isinstance(normalized_shape, int) else [int(d) for d in normalized_shape]
+    shape = _norm_args("mixprec.rms_norm", input, normalized_shape)
     return _ops.rms_norm(input, shape, weight, None if eps is None else float(eps))
