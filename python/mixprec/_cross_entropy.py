@@ -94,6 +94,9 @@ def cross_entropy(
             f"{tuple(logits.shape)} need target shape {tuple(logits.shape[:-1])}"
         )
     vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError("mixprec.cross_entropy: logits have 0 classes (last dimension of size 0); expected at "
+                         "least one")
     losses, _ = _ops.cross_entropy_forward(logits.reshape(-1, vocab), target.reshape(-1), ignore_index)
     if reduction == "none":
         return losses.view(target.shape)

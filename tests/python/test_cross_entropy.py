@@ -379,3 +379,8 @@ def test_cuda_never_syncs_and_captures_in_a_cuda_graph(gen):
     assert_rel_err(losses, reference(logits, target)[0], TOL, "replayed losses")
     ref = reference_grad(logits, target, g)
     assert_rel_err(grad, ref, peer_bound(torch.bfloat16, peer_grad(logits, target, g), ref), "replayed grad")
+
+
+def test_zero_classes_are_refused_by_name():
+    with pytest.raises(ValueError, match="mixprec.cross_entropy: logits have 0 classes"):
+        mixprec.cross_entropy(torch.empty(4, 0), torch.zeros(4, dtype=torch.long))

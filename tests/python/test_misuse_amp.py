@@ -545,3 +545,14 @@ def test_a_loaded_scale_outside_the_scalers_bounds_is_refused(scale, bound, gen)
     with pytest.raises(ValueError, match=rf"\['loss_scale'\] must be [<>]= {bound}"):
         amp.load_state_dict(sd)
     assert_same_world(before, amp_world([model], [opt]))
+
+
+def test_checkpoint_calls_with_swapped_arguments_name_them(gen):
+    model, opt = o2_world(gen)
+    cs = amp.checkpoint_state(model, opt)
+    before = amp_world([model], [opt])
+    with pytest.raises(TypeError, match=r"amp.load_checkpoint_state: models must be a torch.nn.*Module or a list"):
+        amp.load_checkpoint_state(cs, opt, model)
+    with pytest.raises(TypeError, match=r"amp.checkpoint_state: optimizers must be a torch.optim.*Optimizer"):
+        amp.checkpoint_state(model, model)
+    assert_same_world(before, amp_world([model], [opt]))

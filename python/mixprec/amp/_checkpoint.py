@@ -86,10 +86,16 @@ def load_state_dict(state_dict: dict) -> None:
     _apply_scalers(_validated_scalers(state_dict, "amp.load_state_dict: state_dict"))
 
 
-def _listify(value, cls) -> list:
+def _listify(value, cls, where: str) -> list:
+    """One object of ``cls`` or a sequence of them, as a list; anything else (an optimizer passed as
+    the models, say) is refused by name before anything is read or written."""
     if value is None:
         return []
-    return [value] if isinstance(value, cls) else list(value)
+    items = [value] if isinstance(value, cls) else list(value) if isinstance(value, (list, tuple)) else None
+    if items is None or not all(isinstance(v, cls) for v in items):
+        raise TypeError(f"{where} must be a {cls.__module__}.{cls.__qualname__} or a list of them, got "
+                        f"{type(value).__name__}")
+    return items
 
 
 def _swap_masters(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -113,8 +119,8 @@ def checkpoint_state(models, optimizers=None) -> dict:
     Call it between steps (after ``optimizer.step()``). Syncs.
     """
     _require_initialized()
-    models = _listify(models, torch.nn.Module)
-    optimizers = _listify(optimizers, torch.optim.Optimizer)
+    models = _listify(models, torch.nn.Module, "amp.checkpoint_state: models")
+    optimizers = _listify(optimizers, torch.optim.Optimizer, "amp.checkpoint_state: optimizers")
     props = _amp_state.opt_properties
     return {
         "format": FORMAT,
@@ -205,8 +211,8 @@ def load_checkpoint_state(checkpoint: Any, models, optimizers=None) -> None:
     corrupt or mismatched checkpoint raises ValueError and changes nothing. Training then
     continues bit-identically to a run that never stopped (given the same data and RNG)."""
     _require_initialized()
-    models = _listify(models, torch.nn.Module)
-    optimizers = _listify(optimizers, torch.optim.Optimizer)
+    models = _listify(models, torch.nn.Module, "amp.load_checkpoint_state: models")
+    optimizers = _listify(optimizers, torch.optim.Optimizer, "amp.load_checkpoint_state: optimizers")
     where = "amp.load_checkpoint_state"
     if isinstance(checkpoint, (str, os.PathLike)) or hasattr(checkpoint, "read"):
         checkpoint = _read(checkpoint, where)
