@@ -556,3 +556,10 @@ def test_checkpoint_calls_with_swapped_arguments_name_them(gen):
     with pytest.raises(TypeError, match=r"amp.checkpoint_state: optimizers must be a torch.optim.*Optimizer"):
         amp.checkpoint_state(model, model)
     assert_same_world(before, amp_world([model], [opt]))
+
+
+def test_a_low_precision_model_is_named_by_index(gen):
+    fp32, half = make_model(gen, "cpu"), make_model(gen, "cpu").half()
+    opt = FusedAdam(list(fp32.parameters()) + list(half.parameters()), lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"(?s)expected torch.float32 \(amp.initialize: models\[1\]\).*pass each model once"):
+        amp.initialize([fp32, half], opt, opt_level="O2", verbosity=0)

@@ -224,7 +224,7 @@ def _as_list(value, what: str, cls) -> tuple[list, bool]:
 def _check_targets(models: list, optimizers: list, props: Properties) -> None:
     """The checks on the models and optimizers themselves, made before any of them changes."""
     parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    for model in models:
+    for index, model in enumerate(models):
         if isinstance(model, parallel):
             raise RuntimeError(f"Incoming model is an instance of {type(model).__module__}.{type(model).__name__}. "
                                "Parallel wrappers should only be applied to the model(s) AFTER the model(s) have "
@@ -238,9 +238,10 @@ def _check_targets(models: list, optimizers: list, props: Properties) -> None:
             continue  # Apex's escape hatch for models that arrive in fp16/bf16 on purpose
         for name, param in model.named_parameters():
             if param.is_floating_point() and param.dtype != torch.float32:
-                warn_or_err(f"Found param {name} with type {param.dtype}, expected torch.float32.\nWhen using "
-                            "amp.initialize, you do not need to call .half() on your model\nbefore passing it, no "
-                            "matter what optimization level you choose (or set "
+                warn_or_err(f"Found param {name} with type {param.dtype}, expected torch.float32 (amp.initialize: "
+                            f"models[{index}]).\nWhen using amp.initialize, you do not need to call .half() on your "
+                            "model\nbefore passing it, no matter what optimization level you choose; a model that "
+                            "already went through amp.initialize at O2 or O3 is cast: pass each model once (or set "
                             "amp._amp_state.allow_incoming_model_not_fp32 = True to pass it anyway).")
     seen: set[int] = set()
     for i, opt in enumerate(optimizers):
