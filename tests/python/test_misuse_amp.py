@@ -563,3 +563,16 @@ def test_a_low_precision_model_is_named_by_index(gen):
     opt = FusedAdam(list(fp32.parameters()) + list(half.parameters()), lr=1e-2)
     with pytest.raises(RuntimeError, match=r"(?s)expected torch.float32 \(amp.initialize: models\[1\]\).*pass each model once"):
         amp.initialize([fp32, half], opt, opt_level="O2", verbosity=0)
+
+
+def test_a_sparse_master_in_a_checkpoint_is_refused_by_name(gen):
+    # Before: it passed validation and failed in the copy ("copy_() between dense and sparse").
+    model = make_model(gen, "cpu")
+    model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+    train_step(model, opt, gen)
+    cs = amp.checkpoint_state(model, opt)
+    cs["masters"][0][0] = cs["masters"][0][0].to_sparse()
+    before = amp_world([model], [opt])
+    with pytest.raises(ValueError, match=r"checkpoint\['masters'\]\[0\]\[0\] must be a dense float32 tensor"):
+        amp.load_checkpoint_state(cs, model, opt)
+    assert_same_world(before, amp_world([model], [opt]))

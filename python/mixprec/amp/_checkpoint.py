@@ -190,8 +190,9 @@ def _validate_optimizer(i: int, opt: torch.optim.Optimizer, saved: Any, masters:
         raise ValueError(f"{where} holds {len(masters) if isinstance(masters, list) else '?'} master weights, the "
                          f"optimizer {len(expected)}")
     for j, (m, cur) in enumerate(zip(masters, expected)):
-        if not isinstance(m, torch.Tensor) or m.dtype != torch.float32 or m.shape != cur.shape:
-            raise ValueError(f"{where}[{j}] must be a float32 tensor of shape {tuple(cur.shape)}")
+        if (not isinstance(m, torch.Tensor) or m.layout != torch.strided or m.dtype != torch.float32
+                or m.shape != cur.shape):
+            raise ValueError(f"{where}[{j}] must be a dense float32 tensor of shape {tuple(cur.shape)}")
 
 
 def _read(source: Any, where: str) -> Any:
