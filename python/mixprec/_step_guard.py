@@ -37,17 +37,38 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+class _GradOf:
+    """``p.grad`` seen as a one-key container, so a parameter's gradient is snapshotted and put
+    back by the same code as its state: some optimizers write into ``.grad`` during ``step()``
+    (torch's foreach SGD with Nesterov momentum adds the momentum buffer to it in place), and a
+    skipped step must leave the gradient as the scaler's unscale left it, as torch's skip does."""
+
+    __slots__ = ("param",)
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.param = param
+
+    def __contains__(self, key: str) -> bool:
+        return self.param.grad is not None
+
+    def __getitem__(self, key: str) -> torch.Tensor | None:
+        return self.param.grad
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self.param.grad = value
+
+
 class StepGuard:
     """Runs ``optimizer.step()`` so that it changes nothing where ``found_inf`` is non-zero,
     without a host synchronization.
 
-    Before the step, every parameter and every tensor in ``optimizer.state`` and in the param
-    groups is copied into reusable buffers (one multi-tensor copy per device and element width);
+    Before the step, every parameter, its gradient and every tensor in ``optimizer.state`` and in
+    the param groups is copied into reusable buffers (one multi-tensor copy per device and element width);
     after it, each tensor becomes ``found ? snapshot : new`` through three multi-tensor integer
     ops (``new*keep + snapshot*take``), which is exact for every bit pattern.
 
-    Cost: one extra copy of the parameters and the optimizer state in memory (for Adam, three
-    times the parameter memory), and per step about 2x that state read and written for the
+    Cost: one extra copy of the parameters, their gradients and the optimizer state in memory
+    (for Adam, four times the parameter memory), and per step about 2x that state read and written for the
     snapshot plus about 5x for the select, i.e. roughly the traffic of two or three extra
     optimizer steps. Optimizers with ``_step_supports_amp_scaling`` (mixprec's fused ones,
     torch's ``fused=True``) skip inside their kernel instead and pay none of this.
@@ -204,6 +225,8 @@ def _collect(optimizer: torch.optim.Optimizer):
         params = group["params"]
         for i, p in enumerate(params):
             add(params, i, p)
+            if p.grad is not None:
+                add(_GradOf(p), "grad", p.grad)
             state = optimizer.state.get(p)
             keys[p] = tuple(state) if state else None
             if state:

@@ -83,9 +83,9 @@ class GradScaler(ScalerStateFront):
       ``optimizer.grad_scale`` and ``optimizer.found_inf`` after a read-only check and unscale and
       skip inside their kernels, as with torch's scaler. Any other optimizer has its gradients
       unscaled in place and its step made a no-op on the device when found_inf is set: the
-      parameters and optimizer state are snapshotted before ``step()`` and selected back after it
-      (see :class:`mixprec._step_guard.StepGuard` for the cost: one extra copy of params and state
-      in memory, about two to three optimizer steps' worth of memory traffic; one sync on the
+      parameters, their gradients and the optimizer state are snapshotted before ``step()`` and
+      selected back after it (see :class:`mixprec._step_guard.StepGuard` for the cost: one extra
+      copy of params, grads and state in memory, about two to three optimizer steps' worth of memory traffic; one sync on the
       first step, which creates the optimizer's state). Param groups of GPU params with a
       ``capturable`` option are switched to ``capturable=True`` so the step reads nothing from the
       host. ``sync_skip=True`` restores torch's behaviour instead: read found_inf on the host and
