@@ -2,7 +2,7 @@
 gradient of each Linear (a column sum of the output gradient) and LayerNorm forward and backward,
 with other formulations of the bias gradient beside torch's (mixprec.linear_bias_grad among
 them), the weight and bias gradients together (mixprec.linear_weight_bias_grad's one GEMM
-against torch's mm plus a sum), and mixprec.layer_norm beside torch's. On CUDA every sample is device time: a spin kernel lets the host
+against torch's mm plus a sum), and mixprec.layer_norm and mixprec.rms_norm beside torch's. On CUDA every sample is device time: a spin kernel lets the host
 queue the sample's launches first. Issue 7's profile of O2 on GPT-2
 large (benchmarks/RESULTS.md) put those kernels at 2.4 ms (bias gradients, 145 calls) and 2.9 ms
 (LayerNorm) a step; this says how far each is from what it must move, before anything is built.
@@ -127,39 +127,52 @@ def bench_bias_grads(size: str, rows: int, dtype: torch.dtype, device, copy, run
     return out
 
 
-def bench_layer_norm(size: str, rows: int, dtype: torch.dtype, device, copy, runs, warmup) -> list[dict]:
+#: The row norms measured, each as (torch's function, mixprec's, whether it has a bias): GPT-2
+#: uses LayerNorm, Llama-style decoders RMSNorm (no mean, no bias).
+ROW_NORMS = {"layer_norm": (F.layer_norm, "layer_norm", True), "rms_norm": (F.rms_norm, "rms_norm", False)}
+
+
+def bench_row_norm(norm: str, size: str, rows: int, dtype: torch.dtype, device, copy, runs, warmup) -> list[dict]:
+    """torch's and mixprec's ``norm`` (a key of ROW_NORMS), forward and forward+backward, on
+    GPT-2's widths: device time, share of the copy bandwidth and the input gradient's error."""
+    import mixprec
+
+    torch_fn, mixprec_name, has_bias = ROW_NORMS[norm]
     cfg = SIZES[size]
     width, calls = cfg.n_embd, 2 * cfg.n_layer + 1
     xs = [torch.randn(rows, width, dtype=dtype, device=device) for _ in range(2)]
     dys = [torch.randn_like(x) for x in xs]
     weight = torch.ones(width, dtype=dtype, device=device, requires_grad=True)
-    bias = torch.zeros(width, dtype=dtype, device=device, requires_grad=True)
+    params = [weight]
+    if has_bias:
+        params.append(torch.zeros(width, dtype=dtype, device=device, requires_grad=True))
 
-    import mixprec
+    def call(impl, x, ps):
+        return impl(x, (width,), *ps)
 
     def forward(impl):
-        return lambda x, dy: impl(x, (width,), weight, bias)
+        return lambda x, dy: call(impl, x, params)
 
     def forward_backward(impl):
         def run(x, dy):
             x = x.detach().requires_grad_(True)
-            torch.autograd.grad(impl(x, (width,), weight, bias), (x, weight, bias), dy)
+            torch.autograd.grad(call(impl, x, params), (x, *params), dy)
         return run
 
     e = xs[0].element_size()
     moved = {"forward": 2 * rows * width * e, "forward+backward": 5 * rows * width * e}  # bwd: x, dy in; dx out
-    impls = {"torch": F.layer_norm, "mixprec.layer_norm": mixprec.layer_norm}
+    impls = {"torch": torch_fn, f"mixprec.{mixprec_name}": getattr(mixprec, mixprec_name)}
     fns = {(kind, name): (forward if kind == "forward" else forward_backward)(impl)
            for kind in moved for name, impl in impls.items()}
     # Checked against float64 first: the input gradient's error, beside torch's.
     x64 = xs[0].double().requires_grad_(True)
-    w64, b64 = (p.detach().double().requires_grad_(True) for p in (weight, bias))
-    ref = torch.autograd.grad(F.layer_norm(x64, (width,), w64, b64), x64, dys[0].double())[0]
+    p64 = [p.detach().double().requires_grad_(True) for p in params]
+    ref = torch.autograd.grad(call(torch_fn, x64, p64), x64, dys[0].double())[0]
     errs = {}
     for name, impl in impls.items():
         x = xs[0].detach().requires_grad_(True)
-        errs[name] = rel_err(torch.autograd.grad(impl(x, (width,), weight, bias), x, dys[0])[0], ref)
-    check_errors(errs, "torch", f"[{rows}, {width}] {dtype} (the input gradient)")
+        errs[name] = rel_err(torch.autograd.grad(call(impl, x, params), x, dys[0])[0], ref)
+    check_errors(errs, "torch", f"{norm} [{rows}, {width}] {dtype} (the input gradient)")
     timings = common.time_many({f"{k}|{n}": fn for (k, n), fn in fns.items()}, device, runs=runs, warmup=warmup,
                                host_ahead=device.type == "cuda",
                                arg_sets={f"{k}|{n}": list(zip(xs, dys)) for (k, n) in fns})
@@ -167,7 +180,7 @@ def bench_layer_norm(size: str, rows: int, dtype: torch.dtype, device, copy, run
     for key, t in timings.items():
         kind, name = key.split("|")
         _, pct = common.achieved(moved[kind], t.median, copy)
-        out.append({"size": size, "dtype": str(dtype).replace("torch.", ""), "kernel": f"layer_norm {kind}",
+        out.append({"size": size, "dtype": str(dtype).replace("torch.", ""), "kernel": f"{norm} {kind}",
                     "shape": f"{rows}x{width}", "candidate": name, "us": t.median * 1e6, "pct_copy": pct,
                     "rel_err": errs[name] if kind != "forward" else None, "calls": calls,
                     "ms_per_step": t.median * calls * 1e3})
@@ -232,7 +245,8 @@ def main(argv=None) -> None:
         for dtype in (torch.float16, torch.bfloat16):
             results += bench_bias_grads(size, rows_of[size], dtype, device, copy, runs, warmup)
             results += bench_param_grads(size, rows_of[size], dtype, device, runs, warmup)
-            results += bench_layer_norm(size, rows_of[size], dtype, device, copy, runs, warmup)
+            for norm in ROW_NORMS:
+                results += bench_row_norm(norm, size, rows_of[size], dtype, device, copy, runs, warmup)
     rows = [dict(r, rel_err=f"{r['rel_err']:.2e}" if r["rel_err"] is not None else "-",
                  pct_copy=r["pct_copy"] if r["pct_copy"] is not None else "-") for r in results]
     print(common.format_table(rows, ["size", "dtype", "kernel", "shape", "candidate", "us", "pct_copy", "rel_err",
