@@ -2,13 +2,16 @@
 # One batched session on a GPU machine (the H200 device tool): build for one architecture, run
 # every test including the CUDA ones, the benchmarks and a compute-sanitizer pass, logging under
 # $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
-#   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e] [dist]   (default: all)
+#   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e] [dist] [models] [compare]
+#   (default: all but models and compare)
 #   env: TEST_PATHS, PYTEST_ARGS (tests); BENCH_SCRIPTS (bench: which of loss_scale optimizer cpp
 #   overhead xent layers grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); DIST_ARGS
 #   (dist: the distributed CUDA tests, gloo ranks sharing the GPUs and NCCL on 2+, then
 #   benchmarks/e2e_distributed.py at 1 rank and at every GPU); STEP_TIMEOUT
-#   (s, per step). "grid" reruns loss_scale_ops.py with one block per chunk for persistent ops
-#   (MIXPREC_PERSISTENT_GRID=chunks), to compare with the default resident-sized grid.
+#   (s, per step); MODELS_ARGS (models: benchmarks/real_models.py); COMPARE_ARGS (compare: `mixprec
+#   compare --modes all` on its embedded task, with its plot and table). "grid" reruns
+#   loss_scale_ops.py with one block per chunk for persistent ops (MIXPREC_PERSISTENT_GRID=chunks),
+#   to compare with the default resident-sized grid.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
@@ -77,4 +80,10 @@ if [[ $steps == *dist* ]]; then
   run dist bash -c "$PY -m pytest tests/python/test_distributed_ddp.py tests/python/test_distributed_fsdp.py \
       -m cuda -q -rs -p no:cacheprovider -n 8 -p xdist; \
     $PY benchmarks/e2e_distributed.py --out $OUT/e2e_distributed.json ${DIST_ARGS:-}"
+fi
+if [[ $steps == *models* ]]; then
+  run models $PY benchmarks/real_models.py --json "$OUT/real_models.json" --markdown "$OUT/real_models.md" ${MODELS_ARGS:-}
+fi
+if [[ $steps == *compare* ]]; then
+  run compare $PY -m mixprec compare --modes all --out "$OUT/compare" --no-progress ${COMPARE_ARGS:-}
 fi
