@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..distributed import has_dtensor_params
+from . import _fp8
 from ._casts import apply_registry, patch_forward
 from ._layers import use_layer_kernels
 from ._o1_handle import InitializeHandle, NoOpHandle
@@ -107,7 +108,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _check_loss_scale_bounds(min_loss_scale, max_loss_scale)
     if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"amp.initialize: cast_model_outputs must be a floating dtype, got {cast_model_outputs!r}")
-    low = _resolve_dtype(dtype, cast_model_type)
+    low = _resolve_dtype(_fp8.default_dtype(opt_level, dtype, cast_model_type), cast_model_type)
     if layer_kernels is not None and not isinstance(layer_kernels, bool):
         raise TypeError(f"amp.initialize: layer_kernels must be True, False or None, got {layer_kernels!r}")
     if isinstance(scale_history, bool) or not isinstance(scale_history, int) or scale_history < 0:
@@ -271,6 +272,7 @@ def _initialize(models: list, optimizers: list, props: Properties, low: torch.dt
     if layer_kernels if layer_kernels is not None else cast is not None:
         for model in models:
             use_layer_kernels(model)
+    _fp8.after_cast(models, props, _amp_state.verbosity)
     output_dtype = cast_model_outputs
     for model in models:
         if props.patch_torch_functions:

@@ -7,7 +7,7 @@ import torch
 
 _Models = TypeVar("_Models", bound=Union[torch.nn.Module, Sequence[torch.nn.Module]])
 _Optimizers = TypeVar("_Optimizers", bound=Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]])
-_OptLevel = Literal["O0", "O1", "O2", "O3"]
+_OptLevel = Literal["O0", "O1", "O2", "O3", "O4"]
 _LossScale = Union[float, Literal["dynamic"], None]
 
 @overload
