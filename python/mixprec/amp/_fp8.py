@@ -1,5 +1,7 @@
-"""amp's FP8 opt level O4 (bf16 O2 plus every eligible nn.Linear in FP8) and the FP8 scaling
-state's place in amp.state_dict(); amp.initialize and the checkpoint code call in here."""
+"""amp.initialize(..., fp8=True): O2/O3 (bfloat16 by default) with every eligible nn.Linear in
+FP8, and the FP8 scaling state's place in amp.state_dict(); amp.initialize and the checkpoint
+code call in here. A keyword, not an opt level "O4": ROCm's Apex already spells bf16 O1 and O2
+"O4" and "O5", and code written for it must not silently get FP8 here."""
 
 from __future__ import annotations
 
@@ -16,25 +18,6 @@ logger = logging.getLogger("mixprec.amp")
 KEY = "fp8"
 
 
-class O4:
-    brief = "O4:  O2 in bfloat16 with every eligible nn.Linear running its GEMMs in FP8.\n"
-    more = ("Everything O2 does (the model cast to bf16 except BatchNorm, fp32 master weights in the\n"
-            "optimizer), then every nn.Linear whose in_features and out_features are multiples of 16\n"
-            "becomes a mixprec.fp8.Fp8Linear: E4M3 inputs and weights, E5M2 output gradients, per-tensor\n"
-            "current scaling, fp32 accumulation (torch._scaled_mm on Hopper). The others stay bf16 and\n"
-            "are listed. Pass dtype=torch.float16 for fp16 with dynamic loss scaling instead.")
-
-    def __call__(self, properties, low: torch.dtype):
-        properties.enabled = True
-        properties.opt_level = "O4"
-        properties.cast_model_type = low
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = True
-        properties.master_weights = True
-        properties.loss_scale = "dynamic" if low == torch.float16 else 1.0
-        return properties
-
-
 class _Registry:
     """The FP8 layers of the models amp initialized last, by "<model index>.<module name>"."""
 
@@ -45,27 +28,42 @@ class _Registry:
 REGISTRY = _Registry()
 
 
-def default_dtype(opt_level: str, dtype: Optional[torch.dtype], cast_model_type: Any) -> Optional[torch.dtype]:
-    """O4 is a bfloat16 level unless dtype= or cast_model_type= says otherwise."""
-    if opt_level == "O4" and dtype is None and cast_model_type is None:
+def default_dtype(fp8: Any, dtype: Optional[torch.dtype], cast_model_type: Any) -> Optional[torch.dtype]:
+    """FP8 runs beside bfloat16 unless dtype= or cast_model_type= says otherwise."""
+    if fp8 not in (None, False) and dtype is None and cast_model_type is None:
         return torch.bfloat16
     return dtype
 
 
+def checked_request(fp8: Any, opt_level: str, cast: Optional[torch.dtype]):
+    """amp.initialize's fp8 argument as a recipe (None: off), or an error naming it."""
+    from ..fp8 import Fp8Recipe
+
+    if fp8 is None or fp8 is False:
+        return None
+    if fp8 is not True and not isinstance(fp8, Fp8Recipe):
+        raise TypeError(f"amp.initialize: fp8 must be True, False, None or a mixprec.fp8.Fp8Recipe, got {fp8!r}")
+    if cast is None:
+        raise ValueError(f"amp.initialize: fp8 needs a model cast to bfloat16 or float16 (opt_level O2 or O3); "
+                         f"opt_level {opt_level} does not cast it")
+    return Fp8Recipe() if fp8 is True else fp8
+
+
 def after_cast(models: list, props, verbosity: int) -> None:
-    """Under O4, turns the eligible Linears of the cast models into Fp8Linear and logs the rest;
-    at every level, records the models' FP8 layers (converted here or by mixprec.fp8.convert
-    before amp.initialize) for amp.state_dict()."""
+    """With fp8, turns the eligible Linears of the cast models into Fp8Linear and logs the rest;
+    always records the models' FP8 layers (converted here, or by mixprec.fp8.convert before
+    amp.initialize) for amp.state_dict()."""
     from .. import fp8
 
+    recipe = getattr(props, "fp8", None)
     REGISTRY.layers = {}
     for index, model in enumerate(models):
-        if props.opt_level == "O4":
-            converted, skipped = fp8.convert(model)
+        if recipe is not None:
+            converted, skipped = fp8.convert(model, recipe)
             if verbosity > 0 and _is_rank0():
                 lines = "".join(f"\n  {name or '(model)'}: {why}" for name, why in skipped.items())
-                logger.info(f"O4: models[{index}]: {len(converted)} nn.Linear in FP8, {len(skipped)} left in "
-                            f"{props.cast_model_type} (not eligible){':' if skipped else '.'}{lines}")
+                logger.info(f"fp8: models[{index}]: {len(converted)} nn.Linear in FP8 ({recipe}), {len(skipped)} "
+                            f"left in {props.cast_model_type} (not eligible){':' if skipped else '.'}{lines}")
         for name, module in model.named_modules():
             if isinstance(module, fp8.Fp8Linear):
                 REGISTRY.layers[f"{index}.{name}"] = module

@@ -167,6 +167,4 @@ class O0:
         return properties
 
 
-from ._fp8 import O4  # noqa: E402  (FP8, docs/fp8.md)
-
-opt_levels = {"O4": O4(), "O3": O3(), "O2": O2(), "O1": O1(), "O0": O0()}
+opt_levels = {"O3": O3(), "O2": O2(), "O1": O1(), "O0": O0()}
