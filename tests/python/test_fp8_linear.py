@@ -198,3 +198,27 @@ def test_recipe_rejects_bad_values():
         fp8.Fp8Recipe(margin=-1)
     with pytest.raises(ValueError, match="Fp8Recipe: amax_reduction"):
         fp8.Fp8Recipe(amax_reduction="mean")
+
+
+def test_diagnostics_report_amax_scale_and_saturated_share(device, gen):
+    from mixprec import diagnostics
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 10)).to(device, torch.bfloat16)
+    fp8.convert(model, fp8.Fp8Recipe(scaling="delayed", amax_history_len=2))
+    x = random_tensor((16, 64), torch.bfloat16, device, gen)
+    model(x).float().sum().backward()  # the first step casts with scale 1
+    big = x * 4
+    big.view(-1)[:8] = 1e4  # past what the scale from the history leaves room for, as are many of x * 4
+    with diagnostics.track_saturation(model):
+        model(big)
+    report = diagnostics.fp8_report(model)
+    assert [r.name for r in report] == ["0"]
+    inp, weight, grad = report[0].tensors
+    assert inp.role == "input" and inp.dtype == E4 and grad.dtype == E5
+    assert inp.amax == big.float().abs().max().item() and weight.amax == model[0].weight.float().abs().max().item()
+    assert inp.scale == pytest.approx(448.0 / x.float().abs().max().item(), rel=1e-6)
+    expected = (big.float().abs() * inp.scale > 448).sum().item() / big.numel()
+    assert expected >= 8 / big.numel() and inp.saturated_share == pytest.approx(expected)
+    assert weight.saturated_share == 0.0 and grad.saturated_share is None
+    text = diagnostics.format_fp8_report(report)
+    assert "input" in text and "grad_output" in text and f"{100 * expected:.3f}%" in text

@@ -8,7 +8,9 @@ amp.initialize(..., opt_level="O4") does this for every eligible Linear (docs/fp
 
 from .linear import ALIGN, Fp8Linear, convert, fp8_linear, ineligibility, scaled_mm
 from .recipe import FP8_MAX, Fp8Recipe
+from .report import Fp8LayerReport, Fp8TensorReport, format_fp8_report, fp8_report, track_saturation
 from .state import ROLES, Fp8ScalingState
 
-__all__ = ["ALIGN", "FP8_MAX", "Fp8Linear", "Fp8Recipe", "Fp8ScalingState", "ROLES", "convert", "fp8_linear",
-           "ineligibility", "scaled_mm"]
+__all__ = ["ALIGN", "FP8_MAX", "Fp8LayerReport", "Fp8Linear", "Fp8Recipe", "Fp8ScalingState", "Fp8TensorReport",
+           "ROLES", "convert", "format_fp8_report", "fp8_linear", "fp8_report", "ineligibility", "scaled_mm",
+           "track_saturation"]

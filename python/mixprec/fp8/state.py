@@ -50,8 +50,9 @@ class Fp8ScalingState(torch.nn.Module):
             _ops.fp8_update_scale_(scale, history, amax, dtype, r.margin, r.amax_reduction)
             out, out_t = _ops.fp8_quantize(x, scale, dtype, transpose=transpose, amax=amax)
         if self.track_saturation:
-            counts = torch.stack([torch.tensor(float(out.numel()), dtype=torch.float64, device=out.device),
-                                  (out.float().abs() == FP8_MAX[dtype]).sum().double()])
+            # Clipped, not merely at the max: under current scaling the amax element lands exactly there.
+            clipped = (x.float().abs() * scale > FP8_MAX[dtype]).sum().double()
+            counts = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), clipped])
             self.saturation[role].add_(counts)
         # The inverse is the dequantization factor _scaled_mm multiplies in (a device op, no sync).
         # It is NaN when x held inf or NaN: the cast saturated those, and the GEMM's output must
