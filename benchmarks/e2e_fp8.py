@@ -131,28 +131,19 @@ def batches(c: Config, device: torch.device, steps: int, seed: int) -> list[tupl
 def make_variant(name: str, model: nn.Module, device: torch.device, lr: float):
     """(model, optimizer, step function) for one variant; step(tokens, targets) -> loss tensor."""
     cuda = device.type == "cuda"
-    if name == "torch.amp bf16":
+    if name in ("torch.amp bf16", "torchao float8"):
+        # torchao's float8 training as torchtitan runs it: fp32 weights, torch.autocast to bf16 around
+        # the Linears it converts; so both variants take the same step.
+        if name == "torchao float8":
+            from torchao.float8 import convert_to_float8_training
+
+            convert_to_float8_training(model, module_filter_fn=lambda m, n: isinstance(m, nn.Linear)
+                                       and m.in_features % 16 == 0 and m.out_features % 16 == 0)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=cuda, foreach=None if cuda else True)
 
         def step(x, y):
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return model, opt, step
-    if name == "torchao float8":
-        from torchao.float8 import convert_to_float8_training
-
-        model = model.to(torch.bfloat16)
-        convert_to_float8_training(model, module_filter_fn=lambda m, n: isinstance(m, nn.Linear)
-                                   and m.in_features % 16 == 0 and m.out_features % 16 == 0)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=cuda)
-
-        def step(x, y):
-            logits = model(x)
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             opt.step()
