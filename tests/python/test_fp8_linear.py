@@ -222,3 +222,18 @@ def test_diagnostics_report_amax_scale_and_saturated_share(device, gen):
     assert weight.saturated_share == 0.0 and grad.saturated_share is None
     text = diagnostics.format_fp8_report(report)
     assert "input" in text and "grad_output" in text and f"{100 * expected:.3f}%" in text
+
+
+@pytest.mark.cuda
+def test_cuda_fp8_linear_step_never_syncs(gen):
+    for recipe in (fp8.Fp8Recipe(), fp8.Fp8Recipe(scaling="delayed")):
+        layer = make("cuda", torch.bfloat16, gen, in_f=256, out_f=128, recipe=recipe)
+        x = random_tensor((4, 64, 256), torch.bfloat16, "cuda", gen).requires_grad_()
+        layer(x).sum().backward()  # warm-up: cuBLASLt workspaces, lazy inits
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            layer(x).float().pow(2).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert bool(x.grad.isfinite().all()) and bool(layer.weight.grad.isfinite().all())

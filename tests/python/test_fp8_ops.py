@@ -302,3 +302,31 @@ def test_cuda_ops_never_sync():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert amax.item() == x.float().abs().max().item()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_current_scaling():
+    # Scale and amax live on the device, so current scaling's three ops capture in one graph and a
+    # replay on new data equals the eager ops.
+    e4 = torch.float8_e4m3fn
+    x = torch.randn(256, 192, device="cuda", dtype=torch.bfloat16)
+    scale, hist, amax = scalar(1.0, "cuda"), torch.zeros(1, device="cuda"), scalar(0.0, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mixprec.fp8_quantize(x, scale, e4, transpose=True)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mixprec.fp8_amax_(x, amax)
+        mixprec.fp8_update_scale_(scale, hist, amax, e4)
+        out, out_t = mixprec.fp8_quantize(x, scale, e4, transpose=True)
+    for mag in (3.0, 1e-3):
+        x.copy_(torch.randn(256, 192, device="cuda", dtype=torch.bfloat16) * mag)
+        graph.replay()
+        torch.cuda.synchronize()
+        s = 448.0 / x.float().abs().max().item()
+        assert scale.item() == pytest.approx(s, rel=1e-6)
+        ref = torch_reference(x, scale.item(), e4)
+        assert_fp8_equal(out, ref, f"graph out, magnitude {mag}")
+        assert_fp8_equal(out_t, ref.t().contiguous(), f"graph out_t, magnitude {mag}")
