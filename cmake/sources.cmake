@@ -8,6 +8,7 @@ set(MIXPREC_CPU_KERNEL_SOURCES
   csrc/kernels/cpu/adam.cpp
   csrc/kernels/cpu/bias_grad.cpp
   csrc/kernels/cpu/cross_entropy.cpp
+  csrc/kernels/cpu/fp8.cpp
   csrc/kernels/cpu/lamb.cpp
   csrc/kernels/cpu/layer_norm.cpp
   csrc/kernels/cpu/loss_scale.cpp
@@ -24,6 +25,7 @@ set(MIXPREC_CUDA_KERNEL_SOURCES
   csrc/kernels/cuda/adam.cu
   csrc/kernels/cuda/bias_grad.cu
   csrc/kernels/cuda/cross_entropy.cu
+  csrc/kernels/cuda/fp8.cu
   csrc/kernels/cuda/lamb.cu
   csrc/kernels/cuda/layer_norm.cu
   csrc/kernels/cuda/loss_scale.cu
@@ -41,6 +43,7 @@ set(MIXPREC_OP_SOURCES
   csrc/ops/bias_grad.cpp
   csrc/ops/cross_entropy.cpp
   csrc/ops/format.cpp
+  csrc/ops/fp8.cpp
   csrc/ops/lamb.cpp
   csrc/ops/layer_norm.cpp
   csrc/ops/layer_norm_autograd.cpp
@@ -57,6 +60,7 @@ set(MIXPREC_OP_SOURCES
   csrc/ops/tensor_lists.cpp
   csrc/ops/cpu/bias_grad.cpp
   csrc/ops/cpu/cross_entropy.cpp
+  csrc/ops/cpu/fp8.cpp
   csrc/ops/cpu/layer_norm.cpp
   csrc/ops/cpu/loss_scale.cpp
   csrc/ops/cpu/norm.cpp
@@ -64,6 +68,7 @@ set(MIXPREC_OP_SOURCES
   csrc/ops/cpu/rms_norm.cpp
   csrc/ops/meta/bias_grad.cpp
   csrc/ops/meta/cross_entropy.cpp
+  csrc/ops/meta/fp8.cpp
   csrc/ops/meta/layer_norm.cpp
   csrc/ops/meta/loss_scale.cpp
   csrc/ops/meta/norm.cpp
@@ -84,6 +89,7 @@ set(MIXPREC_OP_SOURCES
 set(MIXPREC_CUDA_OP_SOURCES
   csrc/ops/cuda/bias_grad.cpp
   csrc/ops/cuda/cross_entropy.cpp
+  csrc/ops/cuda/fp8.cpp
   csrc/ops/cuda/layer_norm.cpp
   csrc/ops/cuda/linear_grad.cpp
   csrc/ops/cuda/loss_scale.cpp

@@ -98,6 +98,23 @@ TORCH_LIBRARY(mixprec, m) {
       "Tensor(d!)? skipped_steps, Tensor found_inf, float growth_factor, float backoff_factor, "
       "int growth_interval, int hysteresis=1, float min_scale=0., float max_scale=0.) -> ()");
 
+  // ---- FP8 casts and scales (kernels/fp8.*) ---------------------------------------------------
+  // x (contiguous fp32/fp16/bf16) -> (out, out_t): out = x * scale saturated to +-max of `dtype`
+  // (float8_e4m3fn 448, float8_e5m2 57344; inf saturates, NaN stays NaN) and rounded to nearest
+  // even, shaped like x; with transpose (x 2-D) out_t = out.t() contiguous, else out_t is [0].
+  // One read of x; amax (float32 scalar), when given, becomes max(amax, max |x|) (NaN if x has NaN).
+  m.def(
+      "fp8_quantize(Tensor x, Tensor scale, ScalarType dtype, bool transpose=False, Tensor(a!)? amax=None) -> "
+      "(Tensor, Tensor)");
+  // amax = max(amax, max |x|) alone: current scaling needs it before the scale exists.
+  m.def("fp8_amax_(Tensor x, Tensor(a!) amax) -> ()");
+  // On the device: amax is pushed into amax_history (newest first, the oldest drops) and reset to
+  // 0; the history is reduced ('max' over it, or 'most_recent'), and scale = fp8_max(dtype) /
+  // (reduced * 2^margin), unless the reduced amax is 0, inf or NaN (the scale is kept).
+  m.def(
+      "fp8_update_scale_(Tensor(a!) scale, Tensor(b!) amax_history, Tensor(c!) amax, ScalarType dtype, "
+      "float margin=0., str reduction=\"max\") -> ()");
+
   // ---- norms (kernels/norm.*) ---------------------------------------------------------------
   // Returns (total, per_tensor): the norm (ord 2 or inf) of all tensors together as a 0-dim
   // float32 tensor, and each tensor's norm as float32 [len(tensors)] (empty unless per_tensor).

@@ -29,6 +29,7 @@ import torch
 
 from . import _ops
 from ._loss_scale import _OP_DTYPES, ScaleState, _flat_view, update_observers
+from .fp8.report import format_fp8_report, fp8_report, track_saturation  # noqa: F401  (FP8 layers, docs/fp8.md)
 
 logger = logging.getLogger("mixprec.diagnostics")
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .._loss_scale import INT32_MAX, _check_number, check_scale, validate_extra_state
-from . import _optimizer
+from . import _fp8, _optimizer
 from ._optimizer import SWAP
 from ._scaler import _amp_state
 
@@ -33,12 +33,15 @@ def state_dict(destination=None) -> dict:
         entry = {"loss_scale": scaler.state.get_scale(), "unskipped": scaler.state.get_growth_tracker()}
         entry.update(scaler.state.extra_state())
         destination[f"loss_scaler{idx}"] = entry
+    _fp8.save_into(destination)  # the FP8 layers' scales and amax histories, under "fp8"
     return destination
 
 
 def _validated_scalers(state: Any, where: str) -> list[tuple[int, dict, dict]]:
     if not isinstance(state, dict):
         raise ValueError(f"{where}: expected a dict of loss scalers, got {type(state).__name__}")
+    fp8_entry = _fp8.validated(state, where)
+    state = {k: v for k, v in state.items() if k != _fp8.KEY}
     unexpected = [k for k in state if not (isinstance(k, str) and k.startswith("loss_scaler"))]
     if unexpected:
         raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
@@ -65,11 +68,16 @@ def _validated_scalers(state: Any, where: str) -> list[tuple[int, dict, dict]]:
         if low and entry["loss_scale"] < low:
             raise ValueError(f"{where}[{key!r}]['loss_scale'] must be >= min_scale ({low}), got {entry['loss_scale']}")
         out.append((idx, entry, extra))
+    if fp8_entry is not None:
+        out.append((-1, fp8_entry, {}))  # applied by _apply_scalers with the scalers
     return out
 
 
 def _apply_scalers(validated: list[tuple[int, dict, dict]]) -> None:
     for idx, entry, extra in validated:
+        if idx < 0:
+            _fp8.apply(entry)
+            continue
         s = _amp_state.loss_scalers[idx].state
         s.hysteresis = extra.get("hysteresis", s.hysteresis)
         if "min_scale" in extra:

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import torch
 
 from ..distributed import has_dtensor_params
+from . import _fp8
 from ._casts import apply_registry, patch_forward
 from ._layers import use_layer_kernels
 from ._o1_handle import InitializeHandle, NoOpHandle
@@ -51,7 +52,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
                patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None, loss_scale=None,
                cast_model_outputs=None, num_losses=1, verbosity=1, min_loss_scale=None, max_loss_scale=2.**24,
                *, dtype: Optional[torch.dtype] = None, scale_history: int = 0, process_group: Any = None,
-               layer_kernels: Optional[bool] = None):
+               layer_kernels: Optional[bool] = None, fp8: Any = None):
     """Initializes models and optimizers for mixed precision, as ``apex.amp.initialize`` did.
 
     Returns the models and optimizers in the shape given (one, a list, or the model alone when
@@ -83,6 +84,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     a subclass that runs on mixprec's layer kernels (:func:`mixprec.linear`,
     :func:`mixprec.layer_norm`): the same math, faster bias and LayerNorm gradients; pass False to
     keep torch's.
+    ``fp8=True`` (or a :class:`mixprec.fp8.Fp8Recipe`) at O2/O3, bfloat16 by default, also turns
+    every eligible ``nn.Linear`` into a :class:`mixprec.fp8.Fp8Linear` (docs/fp8.md).
 
     Overrides are validated as Apex did (an O1 with master weights, a patched-function request
     outside O1, ... raise RuntimeError). Overflowing steps are skipped on the device with no
@@ -107,7 +110,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _check_loss_scale_bounds(min_loss_scale, max_loss_scale)
     if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"amp.initialize: cast_model_outputs must be a floating dtype, got {cast_model_outputs!r}")
-    low = _resolve_dtype(dtype, cast_model_type)
+    low = _resolve_dtype(_fp8.default_dtype(fp8, dtype, cast_model_type), cast_model_type)
     if layer_kernels is not None and not isinstance(layer_kernels, bool):
         raise TypeError(f"amp.initialize: layer_kernels must be True, False or None, got {layer_kernels!r}")
     if isinstance(scale_history, bool) or not isinstance(scale_history, int) or scale_history < 0:
@@ -129,6 +132,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         warn_or_err("master_weights=True needs a model cast to float16 or bfloat16 (opt_level O2, or "
                     "cast_model_type=torch.float16/bfloat16).")
     cast = props.cast_model_type if props.cast_model_type in LOW_DTYPES else None
+    props.fp8 = _fp8.checked_request(fp8, props.opt_level, cast)
     if layer_kernels and cast is None:
         # autocast (O1) does not know mixprec's ops: the layers would run in fp32.
         raise ValueError(f"amp.initialize: layer_kernels=True needs a model cast to float16 or bfloat16 (O2, O3); "
@@ -271,6 +275,7 @@ def _initialize(models: list, optimizers: list, props: Properties, low: torch.dt
     if layer_kernels if layer_kernels is not None else cast is not None:
         for model in models:
             use_layer_kernels(model)
+    _fp8.after_cast(models, props, _amp_state.verbosity)
     output_dtype = cast_model_outputs
     for model in models:
         if props.patch_torch_functions:

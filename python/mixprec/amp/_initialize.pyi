@@ -5,6 +5,8 @@ from typing import Any, Literal, Optional, Sequence, TypeVar, Union, overload
 
 import torch
 
+from mixprec.fp8 import Fp8Recipe
+
 _Models = TypeVar("_Models", bound=Union[torch.nn.Module, Sequence[torch.nn.Module]])
 _Optimizers = TypeVar("_Optimizers", bound=Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]])
 _OptLevel = Literal["O0", "O1", "O2", "O3"]
@@ -18,7 +20,7 @@ def initialize(
     loss_scale: _LossScale = None, cast_model_outputs: Optional[torch.dtype] = None, num_losses: int = 1,
     verbosity: int = 1, min_loss_scale: Optional[float] = None, max_loss_scale: float = 2.0**24, *,
     dtype: Optional[torch.dtype] = None, scale_history: int = 0, process_group: Any = None,
-    layer_kernels: Optional[bool] = None,
+    layer_kernels: Optional[bool] = None, fp8: Union[bool, Fp8Recipe, None] = None,
 ) -> _Models: ...
 @overload
 def initialize(
@@ -28,5 +30,5 @@ def initialize(
     loss_scale: _LossScale = None, cast_model_outputs: Optional[torch.dtype] = None, num_losses: int = 1,
     verbosity: int = 1, min_loss_scale: Optional[float] = None, max_loss_scale: float = 2.0**24, *,
     dtype: Optional[torch.dtype] = None, scale_history: int = 0, process_group: Any = None,
-    layer_kernels: Optional[bool] = None,
+    layer_kernels: Optional[bool] = None, fp8: Union[bool, Fp8Recipe, None] = None,
 ) -> tuple[_Models, _Optimizers]: ...
