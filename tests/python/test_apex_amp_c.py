@@ -256,3 +256,38 @@ def test_ops_never_sync_the_host(gen):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert noop.item() == 0
+
+
+def test_channels_last_tensors_are_taken_as_apex_takes_them(device):
+    # Apex's multi_tensor_apply takes tensors dense in channels_last (its nhwc support): the ops
+    # run over their memory, so the results are the contiguous ones, in channels_last.
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    shapes = [(2, 3, 5, 7), (1, 4, 3, 3)]
+    xs = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    ys = [torch.randn(s, generator=gen).to(device) for s in shapes]
+    cl = [t.to(memory_format=torch.channels_last) for t in xs]
+    assert not any(t.is_contiguous() for t in cl)
+    noop = flag(device)
+    outs = [torch.empty_like(t) for t in cl]  # empty_like keeps channels_last
+    amp_c.multi_tensor_axpby(65536, noop, [cl, [t.to(memory_format=torch.channels_last) for t in ys], outs],
+                             2.0, 8.0, -1)
+    for out, x, y in zip(outs, xs, ys):
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(out, 2.0 * x + 8.0 * y)
+    halves = [torch.empty_like(t, dtype=torch.float16) for t in cl]
+    amp_c.multi_tensor_scale(65536, noop, [cl, halves], 0.5)
+    for h, x in zip(halves, xs):
+        torch.testing.assert_close(h, (0.5 * x).half())
+    norm, per_tensor = amp_c.multi_tensor_l2norm(65536, noop, [cl], True)
+    torch.testing.assert_close(norm.reshape(()), torch.cat([x.flatten() for x in xs]).norm())
+    torch.testing.assert_close(per_tensor, torch.stack([x.norm() for x in xs]))
+    assert noop.item() == 0
+
+
+def test_a_channels_last_tensor_with_peers_in_another_layout_is_refused(device):
+    x = torch.ones(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last)
+    out = torch.zeros(2, 3, 4, 5, device=device)  # contiguous: Apex would pair elements by memory order
+    noop = flag(device)
+    with pytest.raises(ValueError, match=r"multi_tensor_scale: tensor_lists\[1\]\[0\] has shape .* same layout"):
+        amp_c.multi_tensor_scale(65536, noop, [[x], [out]], 1.0)
+    assert out.eq(0).all() and noop.item() == 0

@@ -175,3 +175,39 @@ def test_step_has_no_host_sync(gen):
         opt.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
+def test_amp_takes_larc_as_its_optimizer(opt_level):
+    # Apex's amp.initialize, amp.scale_loss and amp.master_params take a LARC-wrapped optimizer as
+    # they take the optimizer itself (LARC wraps one without being a torch.optim.Optimizer).
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    larc = LARC(torch.optim.SGD(model.parameters(), lr=0.25, momentum=0.125))
+    # A static scale: at 2**16 the fp16 gradients of O2/O3 would overflow and the step be skipped.
+    model, opt = amp.initialize(model, larc, opt_level=opt_level, loss_scale=128.0, verbosity=0)
+    assert opt is larc
+    before = [p.detach().float().clone() for p in amp.master_params(opt)]
+    opt.zero_grad()
+    loss = model(torch.randn(5, 4)).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    with amp.scale_loss(loss * 0, [opt]):  # a list holding it is taken too
+        pass
+    masters = list(amp.master_params(opt))
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in masters)
+    opt.step()
+    after = [p.detach().float() for p in amp.master_params(opt)]
+    assert all(not torch.equal(b, a) for b, a in zip(before, after))
+
+
+def test_amp_still_refuses_what_is_not_an_optimizer():
+    from mixprec import amp
+
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(TypeError, match="optimizers must be"):
+        amp.initialize(model, object(), opt_level="O0", verbosity=0)
+    with pytest.raises(TypeError, match="master_params"):
+        amp.master_params(object())

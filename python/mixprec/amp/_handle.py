@@ -9,6 +9,7 @@ import torch
 
 from .._loss_scale import combine_found
 from ..distributed import agree_found_inf_
+from ._optimizer import OPTIMIZER_TYPES
 from ._scaler import LossScaler, _amp_state
 
 
@@ -43,9 +44,9 @@ def scale_loss(loss: torch.Tensor, optimizers: Union[torch.optim.Optimizer, Sequ
 
 
 def _optimizer_list(optimizers) -> list:
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if isinstance(optimizers, OPTIMIZER_TYPES):
         return [optimizers]
-    if isinstance(optimizers, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+    if isinstance(optimizers, (list, tuple)) and all(isinstance(o, OPTIMIZER_TYPES) for o in optimizers):
         if not optimizers:
             # Nothing would unscale the gradients this backward makes: refuse before scaling.
             raise ValueError("amp.scale_loss: optimizers is empty; pass the optimizer (or list of optimizers) "

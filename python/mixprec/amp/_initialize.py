@@ -17,7 +17,7 @@ from ._casts import apply_registry, patch_forward
 from ._layers import use_layer_kernels
 from ._o1_handle import InitializeHandle, NoOpHandle
 from ._o1_patch import STATE as cast_state
-from ._optimizer import refresh_masters_from_model
+from ._optimizer import OPTIMIZER_TYPES, refresh_masters_from_model
 from ._process import process_optimizer
 from ._properties import LOW_DTYPES, Properties, logger, opt_levels, warn_or_err
 from ._scaler import LossScaler, _amp_state, _is_rank0
@@ -128,7 +128,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         props.master_weights = master_weights
     if loss_scale is not None:
         props.loss_scale = loss_scale
-    if props.master_weights and props.cast_model_type in (None, False, torch.float32):
+    # Only an explicit master_weights=True is refused without a cast: O2's own default with
+    # cast_model_type=False keeps, as in Apex, fp32 masters for the params that arrive in fp16/bf16.
+    if master_weights and props.cast_model_type in (None, False, torch.float32):
         warn_or_err("master_weights=True needs a model cast to float16 or bfloat16 (opt_level O2, or "
                     "cast_model_type=torch.float16/bfloat16).")
     cast = props.cast_model_type if props.cast_model_type in LOW_DTYPES else None
@@ -141,7 +143,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if optimizers is None:
         optimizer_list, optimizers_was_list = [], False
     else:
-        optimizer_list, optimizers_was_list = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+        optimizer_list, optimizers_was_list = _as_list(optimizers, "optimizers", OPTIMIZER_TYPES)
     _check_targets(model_list, optimizer_list, props)
     scalers = [LossScaler(props.loss_scale, i, min_loss_scale, max_loss_scale, scale_history)
                for i in range(num_losses)]

@@ -11,10 +11,15 @@ from typing import Iterator, Optional
 import torch
 
 from .. import _ops
+from ..apex_compat.larc import LARC
 from .._loss_scale import check_and_unscale_, combine_found
 from .._step_guard import StepGuard
 from ..distributed import agree_found_inf_
 from ._scaler import _amp_state
+
+#: What amp takes as an optimizer: torch's, and apex.parallel.LARC, which wraps one without being
+#: one (Apex's initialize, scale_loss and master_params take it too).
+OPTIMIZER_TYPES = (torch.optim.Optimizer, LARC)
 
 PLAIN, SWAP, FUSED_MASTERS = "plain", "swap", "fused_masters"
 
@@ -355,7 +360,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The params the optimizer updates in fp32: the masters under O2, the model's params
     otherwise. Between scale_loss and step, their ``.grad`` hold the unscaled gradients (clip
     them here: ``clip_grad_norm_(amp.master_params(optimizer), max_norm)``)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(optimizer, OPTIMIZER_TYPES):
         raise TypeError(f"amp.master_params: optimizer must be a torch.optim.Optimizer (as returned by "
                         f"amp.initialize), got {type(optimizer).__name__}; the masters belong to the optimizer, "
                         "e.g. clip_grad_norm_(amp.master_params(optimizer), max_norm)")

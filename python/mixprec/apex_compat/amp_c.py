@@ -26,7 +26,12 @@ def _check(call: str, chunk_size, noop_flag, tensor_lists, depths: Sequence[int]
     int, noop_flag a one-element int32 tensor, ``len(tensor_lists)`` in ``depths``, lists of one
     length whose i-th tensors have one numel, on noop_flag's device, contiguous, float32/float16/
     bfloat16. Returns the lists with every i-th tensor viewed in list 0's shape (Apex compares
-    numels only; mixprec's ops compare shapes)."""
+    numels only; mixprec's ops compare shapes).
+
+    Like Apex, tensors dense in channels_last (or channels_last_3d) are taken too: Apex's kernels
+    walk their memory in order, so the i-th tensors of every list are handed to mixprec's ops as
+    flat views of their memory; they must then share one shape and strides (Apex would pair
+    elements by memory order and silently mix up a channels_last x with a contiguous out)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"{call}: invalid chunk_size {chunk_size!r}; expected a positive int")
     if not isinstance(noop_flag, torch.Tensor) or noop_flag.dtype != torch.int32 or noop_flag.numel() != 1:
@@ -55,14 +60,31 @@ def _check(call: str, chunk_size, noop_flag, tensor_lists, depths: Sequence[int]
             if t.device != noop_flag.device:
                 raise ValueError(f"{where} is on {t.device} but noop_flag is on {noop_flag.device}; "
                                  "expected one device")
-            if not t.is_contiguous():
-                raise ValueError(f"{where} is not contiguous; expected a contiguous tensor")
+            if not t.is_contiguous() and not _channels_last(t):
+                raise ValueError(f"{where} is not contiguous; expected a contiguous tensor (or one dense in "
+                                 "channels_last)")
             if k and t.numel() != lists[0][i].numel():
                 raise ValueError(f"{where} has {t.numel()} elements but tensor_lists[0][{i}] has "
                                  f"{lists[0][i].numel()}; expected equal sizes")
-            if k and t.shape != lists[0][i].shape:
+            if k and t.shape != lists[0][i].shape and t.is_contiguous() and lists[0][i].is_contiguous():
                 lst[i] = t.view(lists[0][i].shape)
+    for i in range(n):
+        row = [lst[i] for lst in lists]
+        if all(t.is_contiguous() for t in row):
+            continue
+        for k, t in enumerate(row[1:], 1):
+            if t.shape != row[0].shape or t.stride() != row[0].stride():
+                raise ValueError(f"{call}: tensor_lists[{k}][{i}] has shape {tuple(t.shape)} and strides "
+                                 f"{t.stride()} but tensor_lists[0][{i}] has {tuple(row[0].shape)} and "
+                                 f"{row[0].stride()}; a channels_last tensor needs its peers in the same layout")
+        for lst in lists:  # the memory in order, as Apex's kernels read it
+            lst[i] = lst[i].as_strided((lst[i].numel(),), (1,))
     return lists
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)) or \
+        (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d))
 
 
 def _fp32_state(call: str, lists, k: int, what: str, allow_bf16: bool = False) -> None:
