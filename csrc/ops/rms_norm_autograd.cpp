@@ -18,19 +18,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// eps = None: the input dtype's machine epsilon, as torch's F.rms_norm (torch.finfo(dtype).eps).
+// eps = None: the machine epsilon of the type torch computes in, as torch's F.rms_norm does: float32's
+// for fp16/bf16/fp32 inputs, float64's for float64 (torch's documentation says finfo(input.dtype),
+// but its kernels use the accumulation type's; bf16's 2^-7 would change the model).
 double eps_or_default(const at::Tensor& input, std::optional<double> eps) {
   if (eps.has_value()) return *eps;
-  switch (input.scalar_type()) {
-    case at::kHalf:
-      return std::numeric_limits<c10::Half>::epsilon();
-    case at::kBFloat16:
-      return std::numeric_limits<c10::BFloat16>::epsilon();
-    case at::kDouble:
-      return std::numeric_limits<double>::epsilon();
-    default:
-      return std::numeric_limits<float>::epsilon();
-  }
+  return input.scalar_type() == at::kDouble ? std::numeric_limits<double>::epsilon()
+                                            : std::numeric_limits<float>::epsilon();
 }
 
 // Whether mixprec's kernels take this input; torch's rms_norm serves the rest. (The ops check

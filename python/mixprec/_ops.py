@@ -398,11 +398,11 @@ def novograd_(
 
 
 def rms_norm(input: torch.Tensor, normalized_shape, weight: Optional[torch.Tensor] = None,
-             eps: Optional[float] = 1e-5) -> torch.Tensor:
+             eps: Optional[float] = None) -> torch.Tensor:
     """``torch.nn.functional.rms_norm`` on mixprec's kernels: one warp per row, statistics and
     gradients in float32, the weight gradient a deterministic sum. ``weight`` may be float32 for
     fp16/bf16 inputs (Apex's MixedFusedRMSNorm); the output keeps the input's dtype. ``eps=None``
-    is ``torch.finfo(input.dtype).eps``, as in torch. float64 inputs, and on CUDA normalized sizes
+    is float32's epsilon (float64's for float64 input), as torch's kernels compute it. float64 inputs, and on CUDA normalized sizes
     past 24576, use torch's rms_norm. The autograd node is C++, as layer_norm's."""
     shape = _norm_args("mixprec.rms_norm", input, normalized_shape)
     return _ops.rms_norm(input, shape, weight, None if eps is None else float(eps))

@@ -30,13 +30,19 @@ def run(fn, x, normalized_shape, w, dy, eps):
     return [y.detach()] + [t.grad if t is not None else None for t in leaves]
 
 
+def default_eps(dtype: torch.dtype) -> float:
+    """What eps=None means to torch's F.rms_norm kernels: the epsilon of the type they compute in
+    (float32 for fp16/bf16), not finfo(dtype).eps as its documentation says."""
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+
+
 def check_against_float64(x, normalized_shape, w, dy, what, eps=1e-5):
     """Output and gradients within twice the error of torch's rms_norm in x's dtype (weight cast
     to it), against float64; each in its dtype (the weight's gradient in the weight's)."""
     ours = run(mixprec.rms_norm, x, normalized_shape, w, dy, eps)
     peer = run(F.rms_norm, x, normalized_shape, None if w is None else w.to(x.dtype), dy, eps)
     as64 = [t.cpu().double() if t is not None else None for t in (x, w)]
-    ref_eps = torch.finfo(x.dtype).eps if eps is None else eps
+    ref_eps = default_eps(x.dtype) if eps is None else eps
     ref = run(F.rms_norm, as64[0], normalized_shape, as64[1], dy.cpu().double(), ref_eps)
     dtypes = (x.dtype, x.dtype, None if w is None else w.dtype)
     for name, got, theirs, want, dtype in zip(("output", "grad input", "grad weight"), ours, peer, ref, dtypes):
@@ -81,9 +87,10 @@ def test_every_register_held_row_width_and_the_first_past_them(device, dtype, st
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_eps_none_is_the_dtypes_epsilon_and_no_weight(device, dtype, gen):
-    # Small rows, so that eps matters: finfo(dtype).eps, as torch's F.rms_norm.
+def test_eps_none_is_torchs_default_and_no_weight(device, dtype, gen):
+    # Small rows, so that eps matters (bf16's 2^-7 against float32's 1.2e-7 changes the output).
     x, dy = (random_tensor((33, 96), dtype, device, gen, scale=0.05) for _ in range(2))
+    torch.testing.assert_close(mixprec.rms_norm(x, (96,)), F.rms_norm(x, (96,)), msg=f"{dtype} eps=None")
     check_against_float64(x, (96,), None, dy, f"{dtype} eps=None", eps=None)
     w = random_tensor(96, dtype, device, gen)
     check_against_float64(x, (96,), w, dy, f"{dtype} eps=None, weight", eps=None)
