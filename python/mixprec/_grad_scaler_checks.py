@@ -4,6 +4,7 @@ changes, and each error names the call, the argument and what is expected."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Any, Optional
 
 import torch
@@ -144,3 +145,27 @@ def fp16_unscale_error(optimizer: torch.optim.Optimizer, group: int, index: int)
     return ValueError(f"GradScaler.unscale_: Attempting to unscale FP16 gradients. {name} param group {group} "
                       f"param {index} has a float16 gradient; dividing it by the scale in place would flush its "
                       f"small values to zero. Instead, {how}.")
+
+
+_GRAD, _LAYOUT, _DTYPE = attrgetter("grad"), attrgetter("layout"), attrgetter("dtype")
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+def regular_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> Optional[list[torch.Tensor]]:
+    """Every gradient of ``optimizer`` when each param has one, dense, a plain tensor (no DTensor
+    shard to take) and, unless ``allow_fp16``, not float16: the common case, found by C-level passes
+    over the lists (a Python loop over 292 grads costs more than the check kernel's launch). None
+    otherwise: GradScaler's per-param path then skips missing grads, coalesces sparse ones and
+    refuses float16 with the param's index, as ever."""
+    grads: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        grads += map(_GRAD, group["params"])
+    try:
+        layouts = list(map(_LAYOUT, grads))
+    except AttributeError:  # a param without a grad
+        return None
+    if layouts.count(torch.strided) != len(grads) or not _PLAIN_TYPES.issuperset(map(type, grads)):
+        return None
+    if not allow_fp16 and torch.float16 in set(map(_DTYPE, grads)):
+        return None
+    return grads
