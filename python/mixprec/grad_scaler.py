@@ -52,6 +52,20 @@ def _takes_grad_scaler(step) -> bool:
     return takes
 
 
+def _flag_unusable_scale(per_device: dict[torch.device, torch.Tensor], scale: torch.Tensor,
+                         inv_scale: Optional[torch.Tensor] = None) -> None:
+    """``flag_unusable_scale_`` in a few launches where found_inf lives on the scale's one device
+    (nine small kernels there, each a few microseconds of host time on every step): the float32
+    reciprocal is finite and > 0 exactly when its logarithm is finite, which the check op flags."""
+    if len(per_device) == 1:
+        (device, found), = per_device.items()
+        if device == scale.device:
+            inv = scale.double().reciprocal().float() if inv_scale is None else inv_scale
+            _ops.non_finite_check_and_unscale_([inv.log().reshape(1)], found)
+            return
+    flag_unusable_scale_(per_device, scale)
+
+
 class GradScaler(ScalerStateFront):
     """Gradient scaling with ``torch.amp.GradScaler``'s constructor, methods and state_dict keys.
 
@@ -255,7 +269,7 @@ class GradScaler(ScalerStateFront):
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         inv_scale = self._scale.double().reciprocal().float()  # as torch: the reciprocal in float64
         per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
-        flag_unusable_scale_(per_device, self._scale)
+        _flag_unusable_scale(per_device, self._scale, inv_scale)
         optimizer_state["found_inf_per_device"] = per_device
         optimizer_state["stage"] = OptState.UNSCALED
         self._per_optimizer_states[id(optimizer)] = optimizer_state
@@ -265,7 +279,7 @@ class GradScaler(ScalerStateFront):
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         per_device = self._unscale_grads_(optimizer, None, found_inf, True)
-        flag_unusable_scale_(per_device, scale)
+        _flag_unusable_scale(per_device, scale)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
         return per_device
 
