@@ -250,6 +250,16 @@ def lr_tensor_reshaped(opt):
     opt.param_groups[0]["lr"].set_(torch.tensor([1e-3, 2e-3]))  # the same object, two elements
 
 
+def group_rule_broken(opt):
+    group = opt.param_groups[0]
+    if "nesterov" not in group:
+        group["eps"] = -1e-8
+        return
+    group.update(nesterov=True, dampening=0.0)  # valid with momentum 0.9
+    opt.step()
+    group["momentum"] = 0.0  # only this key changes; the rule spans three
+
+
 def state_fp64(opt):
     p = params_of(opt)[5]
     key = _state_key(opt, p)
@@ -257,7 +267,7 @@ def state_fp64(opt):
 
 
 MISUSES = [grad_fp64, param_overlapping, param_non_contiguous, grad_sparse, grad_is_param, mixed_devices, bad_lr,
-           betas_list_mutated, lr_tensor_reshaped, state_fp64,
+           betas_list_mutated, lr_tensor_reshaped, group_rule_broken, state_fp64,
            pytest.param(cuda_moved_param, marks=pytest.mark.cuda)]
 
 
