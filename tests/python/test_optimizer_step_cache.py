@@ -25,8 +25,8 @@ SHAPES = [(7,), (CHUNK + 1,), (0,), (1,), (3, 5), (33,)]
 STEPS = 3
 
 
-def make(family: str, dtype: torch.dtype, gen: torch.Generator, **kw):
-    params = [torch.nn.Parameter(random_tensor(s, dtype, "cpu", gen)) for s in SHAPES]
+def make(family: str, dtype: torch.dtype, gen: torch.Generator, device="cpu", **kw):
+    params = [torch.nn.Parameter(random_tensor(s, dtype, device, gen)) for s in SHAPES]
     kw.setdefault("master_weights", dtype != torch.float32)
     return FAMILIES[family](params, **kw)
 
@@ -39,7 +39,7 @@ def set_grads(opt, gen: torch.Generator, dtypes: dict | None = None) -> None:
     """New grad tensors (as every backward after zero_grad(set_to_none=True)), the same values
     for any optimizer with the same parameter shapes; params without requires_grad get None."""
     for i, p in enumerate(params_of(opt)):
-        p.grad = random_tensor(p.shape, p.dtype, "cpu", gen, 1e-2) if p.requires_grad else None
+        p.grad = random_tensor(p.shape, p.dtype, p.device, gen, 1e-2) if p.requires_grad else None
         if p.grad is not None and i in (dtypes or {}):
             p.grad.data = p.grad.data.to(dtypes[i])  # torch refuses `p.grad = ` of another dtype
 
@@ -89,7 +89,7 @@ def _state_key(opt, p) -> str:
 # Each change is made after STEPS clean steps, to the optimizer and its parameters.
 def replace_data(opt, gen):
     p = params_of(opt)[1]
-    p.data = random_tensor(p.shape, p.dtype, "cpu", gen)
+    p.data = random_tensor(p.shape, p.dtype, p.device, gen)
 
 
 def grad_dtype(opt, gen):
@@ -102,7 +102,7 @@ def freeze(opt, gen):
 
 def add_group(opt, gen):
     p = params_of(opt)[0]
-    opt.add_param_group({"params": [torch.nn.Parameter(random_tensor((9,), p.dtype, "cpu", gen))], "lr": 3e-3})
+    opt.add_param_group({"params": [torch.nn.Parameter(random_tensor((9,), p.dtype, p.device, gen))], "lr": 3e-3})
 
 
 def load_older(opt, gen):
@@ -171,8 +171,8 @@ FAMILY_DTYPES = [(f, d) for f in FAMILIES for d in (torch.float32, torch.float16
 
 @pytest.mark.parametrize("change", CHANGES, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("family,dtype", FAMILY_DTYPES, ids=lambda x: x if isinstance(x, str) else str(x)[6:])
-def test_change_after_steps_acts_as_a_fresh_copy(family, dtype, change, gen, seed):
-    opt = make(family, dtype, gen)
+def test_change_after_steps_acts_as_a_fresh_copy(family, dtype, change, device, gen, seed):
+    opt = make(family, dtype, gen, device)
     for i in range(STEPS):
         outcome(opt, seed + i)
         if i == 0:
@@ -197,12 +197,12 @@ def grad_fp64(opt):
 
 def param_overlapping(opt):
     p = params_of(opt)[5]
-    p.data = torch.zeros(1, dtype=p.dtype).expand(p.shape)  # every element one address
+    p.data = torch.zeros(1, dtype=p.dtype, device=p.device).expand(p.shape)  # every element one address
 
 
 def param_non_contiguous(opt):
     p = params_of(opt)[4]
-    p.data = torch.zeros(5, 3, dtype=p.dtype).t()  # (3, 5) with transposed strides: not its state's
+    p.data = torch.zeros(5, 3, dtype=p.dtype, device=p.device).t()  # (3, 5) with transposed strides: not its state's
 
 
 def grad_sparse(opt):
@@ -226,7 +226,7 @@ def mixed_devices(opt):
 
 def cuda_moved_param(opt):
     p = params_of(opt)[3]
-    p.data = p.data.cuda()  # what a partial model.cuda() does to a parameter
+    p.data = p.data.cpu() if p.is_cuda else p.data.cuda()  # what a partial model.cuda() does
     p.grad = torch.ones_like(p)
 
 
@@ -297,8 +297,8 @@ def _assert_nothing_changed(before, after) -> None:
 @pytest.mark.parametrize("misuse", MISUSES, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_misuse_after_clean_steps_is_refused_as_on_a_first_step(family, dtype, misuse, gen, seed):
-    opt = make(family, dtype, gen)
+def test_misuse_after_clean_steps_is_refused_as_on_a_first_step(family, dtype, misuse, device, gen, seed):
+    opt = make(family, dtype, gen, device)
     for i in range(STEPS):
         outcome(opt, seed + i)
     set_grads(opt, torch.Generator().manual_seed(seed + 50))
@@ -337,10 +337,10 @@ def test_misuse_words_equal_a_new_optimizers_first_step(misuse, gen):
 @pytest.mark.parametrize("where", ["first", "last", "random"])
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_scaler_skips_a_non_finite_step_after_clean_ones(dtype, value, where, gen, seed):
-    opt = make("adam", dtype, gen)
-    scaler = mixprec.GradScaler("cpu", init_scale=4.0, growth_interval=1000, sync_skip=False)
-    scaler.scale(torch.ones(()))  # makes the scale, as scaling a loss does
+def test_scaler_skips_a_non_finite_step_after_clean_ones(dtype, value, where, device, gen, seed):
+    opt = make("adam", dtype, gen, device)
+    scaler = mixprec.GradScaler(torch.device(device).type, init_scale=4.0, growth_interval=1000, sync_skip=False)
+    scaler.scale(torch.ones((), device=device))  # makes the scale, as scaling a loss does
     for i in range(STEPS):
         set_grads(opt, torch.Generator().manual_seed(seed + i))
         scaler.step(opt)
