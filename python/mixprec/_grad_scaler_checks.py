@@ -9,7 +9,9 @@ from typing import Any, Optional
 
 import torch
 
-from ._loss_scale import F32_MAX, INT32_MAX, ScaleState, _check_number, check_scale, validate_extra_state
+from . import _ops
+from ._loss_scale import (F32_MAX, INT32_MAX, ScaleState, _check_number, check_scale, flag_unusable_scale_,
+                          validate_extra_state)
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -169,3 +171,17 @@ def regular_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> Optiona
     if not allow_fp16 and torch.float16 in set(map(_DTYPE, grads)):
         return None
     return grads
+
+
+def flag_unusable_scale(per_device: dict[torch.device, torch.Tensor], scale: torch.Tensor,
+                        inv_scale: Optional[torch.Tensor] = None) -> None:
+    """``flag_unusable_scale_`` in a few launches where found_inf lives on the scale's one device
+    (nine small kernels there, each a few microseconds of host time on every step): the float32
+    reciprocal is finite and > 0 exactly when its logarithm is finite, which the check op flags."""
+    if len(per_device) == 1:
+        (device, found), = per_device.items()
+        if device == scale.device:
+            inv = scale.double().reciprocal().float() if inv_scale is None else inv_scale
+            _ops.non_finite_check_and_unscale_([inv.log().reshape(1)], found)
+            return
+    flag_unusable_scale_(per_device, scale)

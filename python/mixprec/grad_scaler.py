@@ -17,7 +17,7 @@ from . import _ops
 from . import distributed as _dist
 from ._dtensor import local_all
 from ._grad_scaler_state import ScalerStateFront
-from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found, flag_unusable_scale_
+from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found
 from ._step_guard import StepGuard
 
 __all__ = ["GradScaler", "OptState"]
@@ -50,20 +50,6 @@ def _takes_grad_scaler(step) -> bool:
     except TypeError:
         pass
     return takes
-
-
-def _flag_unusable_scale(per_device: dict[torch.device, torch.Tensor], scale: torch.Tensor,
-                         inv_scale: Optional[torch.Tensor] = None) -> None:
-    """``flag_unusable_scale_`` in a few launches where found_inf lives on the scale's one device
-    (nine small kernels there, each a few microseconds of host time on every step): the float32
-    reciprocal is finite and > 0 exactly when its logarithm is finite, which the check op flags."""
-    if len(per_device) == 1:
-        (device, found), = per_device.items()
-        if device == scale.device:
-            inv = scale.double().reciprocal().float() if inv_scale is None else inv_scale
-            _ops.non_finite_check_and_unscale_([inv.log().reshape(1)], found)
-            return
-    flag_unusable_scale_(per_device, scale)
 
 
 class GradScaler(ScalerStateFront):
@@ -269,7 +255,7 @@ class GradScaler(ScalerStateFront):
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         inv_scale = self._scale.double().reciprocal().float()  # as torch: the reciprocal in float64
         per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
-        _flag_unusable_scale(per_device, self._scale, inv_scale)
+        checks.flag_unusable_scale(per_device, self._scale, inv_scale)
         optimizer_state["found_inf_per_device"] = per_device
         optimizer_state["stage"] = OptState.UNSCALED
         self._per_optimizer_states[id(optimizer)] = optimizer_state
@@ -279,7 +265,7 @@ class GradScaler(ScalerStateFront):
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         per_device = self._unscale_grads_(optimizer, None, found_inf, True)
-        _flag_unusable_scale(per_device, scale)
+        checks.flag_unusable_scale(per_device, scale)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
         return per_device
 

@@ -11,7 +11,7 @@ import torch
 
 from .._dtensor import dtensor_type
 from ._rules import FLAG, LR, MOMENT, check_group, check_state_values, step_count
-from ._step_cache import HyperCache, StepLists, gather, masters, regular_params
+from ._step_cache import HyperCache, StepLists, checked_params, gather, masters, regular_params
 
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
 
@@ -187,7 +187,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if regular is not None:
                 params, _, device = regular
             else:
-                params, device = self._checked_params(group, index)
+                params, device = checked_params(type(self).__name__, group, index)
                 if not params:
                     continue
             plan.append((group, params, device))
@@ -196,21 +196,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             return self._run_plan(plan, grad_scale, found_inf, lists, loss)
         finally:
             lists.clear()
-
-    def _checked_params(self, group: dict, index: int) -> tuple[list, Optional[torch.device]]:
-        """The group's params with gradients and their device, checked one by one (the path of any
-        group that regular_params does not vouch for); raises for mixed devices and sparse grads."""
-        params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return params, None
-        device = params[0].device
-        for p in params:
-            if p.device != device:
-                raise ValueError(f"{type(self).__name__}: param group {index} mixes devices "
-                                 f"({device} and {p.device}); put each device's params in its own group")
-            if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-        return params, device
 
     def _step_caches(self) -> tuple[HyperCache, StepLists]:
         # Made on first use: copies (pickle, deepcopy) drop private attributes and start afresh.

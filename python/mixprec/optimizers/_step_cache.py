@@ -86,6 +86,22 @@ def regular_params(params: list) -> Optional[tuple[list, list, torch.device]]:
     return list(params), grads, devices.pop()
 
 
+def checked_params(owner: str, group: dict, index: int) -> tuple[list, Optional[torch.device]]:
+    """The group's params with gradients and their device, checked one by one (the path of any
+    group that regular_params does not vouch for); raises for mixed devices and sparse grads."""
+    params = [p for p in group["params"] if p.grad is not None]
+    if not params:
+        return params, None
+    device = params[0].device
+    for p in params:
+        if p.device != device:
+            raise ValueError(f"{owner}: param group {index} mixes devices ({device} and {p.device}); put each "
+                             "device's params in its own group")
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{owner} does not support sparse gradients")
+    return params, device
+
+
 class StepLists:
     """The per-parameter state dicts of the lists being stepped, found with one lookup per param,
     so the subclasses' ``_states``/``_masters`` read them without hashing each tensor again.
