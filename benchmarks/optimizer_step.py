@@ -4,6 +4,8 @@ parameter, achieved TB/s and share of a device copy measured in the same run.
 
     python benchmarks/optimizer_step.py                  # CUDA if available, else CPU (smaller set)
     python benchmarks/optimizer_step.py --device cpu --quick
+    python benchmarks/optimizer_step.py --class-path     # the optimizer classes and GradScaler only
+    python benchmarks/optimizer_step.py --class-path --meta  # their host time alone (any machine)
 
 Bytes per parameter count each operand read once and each result written once (DESIGN.md):
 AdamW fp32 = grad 4 + param r/w 8 + moments r/w 16 = 28; the loss-scaled step adds the
@@ -24,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import optimizer_class_path as class_path  # noqa: E402
 
 import mixprec  # noqa: E402
 
@@ -253,11 +256,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser)
     parser.add_argument("--only", nargs="*", default=None, help="groups to run (adamw, o2, sgd, lamb)")
+    parser.add_argument("--class-path", action="store_true",
+                        help="only the class-path rows: opt.step() and scaler.step+update of the five fused "
+                             "optimizers (fp32, O2 fp16, O2 bf16), each one step after a sync, 20 queued and host "
+                             "time, beside torch's GradScaler + fused AdamW (see optimizer_class_path.py)")
+    parser.add_argument("--families", nargs="*", default=None, help="with --class-path: these classes only "
+                        f"({', '.join(class_path.FAMILIES)})")
+    parser.add_argument("--meta", action="store_true", help="with --class-path: params on the meta device "
+                        "(host time alone, the full shape set, on any machine; default shapes gpt2-medium)")
+    parser.add_argument("--shrink", type=int, default=1, help="with --class-path: divide every dimension by this "
+                        "(the same tensor count with a tiny payload: per-tensor host cost on a CPU)")
     args = parser.parse_args()
-    device = common.resolve_device(parser, args)
+    device = torch.device("meta") if args.meta else common.resolve_device(parser, args)
     runs, warmup = common.resolve_runs(args)
-    shapes_name = args.shapes or ("gpt2-medium" if device.type == "cuda" else ("tiny" if args.quick else "gpt2-mini"))
+    default_shapes = "gpt2-medium" if device.type in ("cuda", "meta") else ("tiny" if args.quick else "gpt2-mini")
+    shapes_name = args.shapes or default_shapes
     shapes = common.SHAPE_SETS[shapes_name]()
+    if args.class_path:
+        return main_class_path(args, device, shapes_name, shapes, runs, warmup)
     n = common.numel_of(shapes)
     env = common.environment(device)
     print(f"{common.device_label(env)} | torch {torch.__version__} | {shapes_name}: {len(shapes)} tensors, "
@@ -295,6 +311,28 @@ def main() -> None:
     print(common.format_table(rows, cols))
     if args.out:
         common.write_json(args.out, env, rows, shapes=shapes_name, copy_bytes_per_s=copy.bytes_per_s)
+
+
+def main_class_path(args, device, shapes_name, shapes, runs, warmup) -> None:
+    shapes = class_path.shrink(shapes, args.shrink)
+    n = common.numel_of(shapes)
+    env = common.environment(device if device.type != "meta" else torch.device("cpu"))
+    env["device"] = device.type
+    print(f"{common.device_label(env) if device.type != 'meta' else 'meta device (host time only)'} | torch "
+          f"{torch.__version__} | {shapes_name}{f' / {args.shrink}' if args.shrink > 1 else ''}: {len(shapes)} "
+          f"tensors, {n / 1e6:.2f} M params")
+    copy, unit, div = None, *common.bandwidth_units(device if device.type != "meta" else torch.device("cpu"))
+    if device.type != "meta":
+        copy = common.measure_copy_bandwidth(device, runs=runs, warmup=warmup)
+        print(f"device copy: {copy.bytes_per_s / div:.2f} {unit}")
+    gen = torch.Generator(device=device) if device.type != "meta" else None
+    if gen is not None:
+        gen.manual_seed(0)
+    rows = class_path.run_class_path(shapes, device, gen, runs, warmup, copy, unit, div, n, args.families)
+    print(common.format_table(rows, [c for c in class_path.CLASS_PATH_COLUMNS if device.type != "meta" or "%" not in c]))
+    if args.out:
+        common.write_json(args.out, env, rows, shapes=shapes_name, shrink=args.shrink,
+                          copy_bytes_per_s=copy.bytes_per_s if copy else None)
 
 
 if __name__ == "__main__":

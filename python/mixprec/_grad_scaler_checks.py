@@ -4,11 +4,14 @@ changes, and each error names the call, the argument and what is expected."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from operator import attrgetter
 from typing import Any, Optional
 
 import torch
 
-from ._loss_scale import F32_MAX, INT32_MAX, ScaleState, _check_number, check_scale, validate_extra_state
+from . import _ops
+from ._loss_scale import (F32_MAX, INT32_MAX, ScaleState, _check_number, check_scale, flag_unusable_scale_,
+                          validate_extra_state)
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -144,3 +147,41 @@ def fp16_unscale_error(optimizer: torch.optim.Optimizer, group: int, index: int)
     return ValueError(f"GradScaler.unscale_: Attempting to unscale FP16 gradients. {name} param group {group} "
                       f"param {index} has a float16 gradient; dividing it by the scale in place would flush its "
                       f"small values to zero. Instead, {how}.")
+
+
+_GRAD, _LAYOUT, _DTYPE = attrgetter("grad"), attrgetter("layout"), attrgetter("dtype")
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+
+
+def regular_grads(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> Optional[list[torch.Tensor]]:
+    """Every gradient of ``optimizer`` when each param has one, dense, a plain tensor (no DTensor
+    shard to take) and, unless ``allow_fp16``, not float16: the common case, found by C-level passes
+    over the lists (a Python loop over 292 grads costs more than the check kernel's launch). None
+    otherwise: GradScaler's per-param path then skips missing grads, coalesces sparse ones and
+    refuses float16 with the param's index, as ever."""
+    grads: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        grads += map(_GRAD, group["params"])
+    try:
+        layouts = list(map(_LAYOUT, grads))
+    except AttributeError:  # a param without a grad
+        return None
+    if layouts.count(torch.strided) != len(grads) or not _PLAIN_TYPES.issuperset(map(type, grads)):
+        return None
+    if not allow_fp16 and torch.float16 in set(map(_DTYPE, grads)):
+        return None
+    return grads
+
+
+def flag_unusable_scale(per_device: dict[torch.device, torch.Tensor], scale: torch.Tensor,
+                        inv_scale: Optional[torch.Tensor] = None) -> None:
+    """``flag_unusable_scale_`` in a few launches where found_inf lives on the scale's one device
+    (nine small kernels there, each a few microseconds of host time on every step): the float32
+    reciprocal is finite and > 0 exactly when its logarithm is finite, which the check op flags."""
+    if len(per_device) == 1:
+        (device, found), = per_device.items()
+        if device == scale.device:
+            inv = scale.double().reciprocal().float() if inv_scale is None else inv_scale
+            _ops.non_finite_check_and_unscale_([inv.log().reshape(1)], found)
+            return
+    flag_unusable_scale_(per_device, scale)

@@ -13,10 +13,11 @@ from weakref import WeakKeyDictionary
 import torch
 
 from . import _grad_scaler_checks as checks
+from . import _ops
 from . import distributed as _dist
 from ._dtensor import local_all
 from ._grad_scaler_state import ScalerStateFront
-from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found, flag_unusable_scale_
+from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found
 from ._step_guard import StepGuard
 
 __all__ = ["GradScaler", "OptState"]
@@ -172,6 +173,9 @@ class GradScaler(ScalerStateFront):
     # -- unscale / check ------------------------------------------------------------------------
     @staticmethod
     def _grads_of(optimizer: torch.optim.Optimizer, allow_fp16: bool) -> list[torch.Tensor]:
+        grads = checks.regular_grads(optimizer, allow_fp16)
+        if grads is not None:
+            return grads
         grads = []
         for gi, group in enumerate(optimizer.param_groups):
             for pi, param in enumerate(group["params"]):
@@ -195,14 +199,26 @@ class GradScaler(ScalerStateFront):
         """torch's hook: checks (and with ``inv_scale`` multiplies) the optimizer's grads; returns
         found_inf per device. ``inv_scale=None`` checks only (torch passes a tensor of ones)."""
         grads = self._grads_of(optimizer, allow_fp16)
-        found = Replicator(found_inf)
-        per_device: dict[torch.device, torch.Tensor] = {}
-        for g in grads:
-            if g.device not in per_device:
-                per_device[g.device] = found.get(g.device)
-        inv = Replicator(inv_scale) if inv_scale is not None else None
-        with torch.no_grad():
-            check_and_unscale_(grads, per_device, inv.get if inv is not None else None)
+        per_device = None
+        if grads and grads[0].device == found_inf.device and (inv_scale is None or inv_scale.device == found_inf.device):
+            # The common case in one op call, no per-grad Python: the op itself refuses (before it
+            # writes anything) grads it cannot take, on another device, of another dtype or not
+            # contiguous; those take the general path below, which sorts them out.
+            try:
+                with torch.no_grad():
+                    _ops.non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+                per_device = {found_inf.device: found_inf}
+            except (RuntimeError, TypeError, ValueError):
+                per_device = None
+        if per_device is None:
+            found = Replicator(found_inf)
+            per_device = {}
+            for g in grads:
+                if g.device not in per_device:
+                    per_device[g.device] = found.get(g.device)
+            inv = Replicator(inv_scale) if inv_scale is not None else None
+            with torch.no_grad():
+                check_and_unscale_(grads, per_device, inv.get if inv is not None else None)
         _dist.agree_found_inf_(per_device, self._process_group, found_inf.device)
         return per_device
 
@@ -239,7 +255,7 @@ class GradScaler(ScalerStateFront):
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         inv_scale = self._scale.double().reciprocal().float()  # as torch: the reciprocal in float64
         per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, False)
-        flag_unusable_scale_(per_device, self._scale)
+        checks.flag_unusable_scale(per_device, self._scale, inv_scale)
         optimizer_state["found_inf_per_device"] = per_device
         optimizer_state["stage"] = OptState.UNSCALED
         self._per_optimizer_states[id(optimizer)] = optimizer_state
@@ -249,7 +265,7 @@ class GradScaler(ScalerStateFront):
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         per_device = self._unscale_grads_(optimizer, None, found_inf, True)
-        flag_unusable_scale_(per_device, scale)
+        checks.flag_unusable_scale(per_device, scale)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = per_device
         return per_device
 

@@ -11,6 +11,7 @@ import torch
 
 from .._dtensor import dtensor_type
 from ._rules import FLAG, LR, MOMENT, check_group, check_state_values, step_count
+from ._step_cache import HyperCache, StepLists, checked_params, gather, masters, regular_params
 
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
 
@@ -178,20 +179,32 @@ class FusedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        hyper, lists = self._step_caches()
         plan = []
         for index, group in enumerate(self.param_groups):  # every group is checked before any steps
-            self._check_group(group, f"param group {index}")
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            device = params[0].device
-            for p in params:
-                if p.device != device:
-                    raise ValueError(f"{type(self).__name__}: param group {index} mixes devices "
-                                     f"({device} and {p.device}); put each device's params in its own group")
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            hyper.check(type(self).__name__, self._rules, self._group_rules, group, index)
+            regular = regular_params(group["params"])
+            if regular is not None:
+                params, _, device = regular
+            else:
+                params, device = checked_params(type(self).__name__, group, index)
+                if not params:
+                    continue
             plan.append((group, params, device))
+        hyper.forget_from(len(self.param_groups))
+        try:
+            return self._run_plan(plan, grad_scale, found_inf, lists, loss)
+        finally:
+            lists.clear()
+
+    def _step_caches(self) -> tuple[HyperCache, StepLists]:
+        # Made on first use: copies (pickle, deepcopy) drop private attributes and start afresh.
+        caches = self.__dict__.get("_step_cache")
+        if caches is None:
+            caches = self.__dict__["_step_cache"] = (HyperCache(), StepLists())
+        return caches
+
+    def _run_plan(self, plan: list, grad_scale, found_inf, lists: StepLists, loss):
         # What the ops check (layouts, aliasing, dtypes, state shapes) is checked for every group
         # before the first writes: each op checks its own lists before it writes, so with several
         # groups the later ones are validated first (the ops' check twins write nothing). A refusal
@@ -201,10 +214,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         calls = []
         try:
             for group, params, device in plan:
-                for p in params:
-                    if len(self.state[p]) == 0:
-                        fresh.append(p)
-                        self._init_param_state(p, group)
+                # One lookup per param (each hashes the tensor in Python); the subclasses' _states and
+                # _masters then read these dicts (StepLists).
+                state_dicts = list(map(self.state.__getitem__, params))
+                if not all(state_dicts):
+                    for p, state in zip(params, state_dicts):
+                        if not state:
+                            fresh.append(p)
+                            self._init_param_state(p, group)
+                lists.add(params, state_dicts)
                 lr, lr_tensor = group["lr"], None
                 if isinstance(lr, torch.Tensor):
                     lr, lr_tensor = 0.0, lr.to(device=device, dtype=torch.float32).reshape(1)
@@ -248,9 +266,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         """One fp32 master per param (fp32 params are their own master), or [] when `group` keeps none."""
         if not group["master_weights"]:
             return []
+        state_dicts = self._step_caches()[1].state_dicts(params)
+        if state_dicts is not None:
+            return masters(state_dicts, params)
         return [self.state[p].get("master_param", p) for p in params]
 
     def _states(self, params: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+        state_dicts = self._step_caches()[1].state_dicts(params)
+        if state_dicts is not None:
+            return gather(state_dicts, key)
         return [self.state[p][key] for p in params]
 
     @staticmethod
