@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -91,6 +92,9 @@ class AmpStash:
         # ended. step() and scale_loss refuse until zero_grad() clears them.
         self.poisoned: Optional[str] = None
         self.guard = StepGuard()
+        # SWAP: each model param's gradient as amp last saw it (a weak reference and its version),
+        # so step() can tell a backward outside scale_loss, whose values no master received.
+        self.grad_marks: dict[int, Optional[tuple]] = {}
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -139,6 +143,26 @@ class AmpStash:
                 yield state[p]["master_param"] if "master_param" in state.get(p, {}) else p
         else:
             yield from self._group_params()
+
+    def note_grads(self) -> None:
+        """SWAP: the model params' gradients are the ones amp has accounted for (unscaled into the
+        masters, or zeroed)."""
+        if self.kind != SWAP:
+            return
+        self.grad_marks = {id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else None
+                           for p in self.low_params}
+
+    def stray_gradient(self) -> Optional[str]:
+        """SWAP: which model param holds a gradient amp has not seen (a backward outside scale_loss,
+        or a GradScaler's), if any."""
+        for i, p in enumerate(self.low_params):
+            g = p.grad
+            if g is None:
+                continue
+            mark = self.grad_marks.get(id(p))
+            if mark is None or mark[0]() is not g or mark[1] != g._version:
+                return f"the model's {p.dtype} parameter {i} of shape {tuple(p.shape)}"
+        return None
 
     # -- around a scaled backward ---------------------------------------------------------------
     def prepare_backward(self) -> None:
@@ -228,6 +252,7 @@ class AmpStash:
                 if scale is not None:
                     self.wb_scale = scale.clone() if self.wb_scale is None else torch.minimum(self.wb_scale, scale)
                 self.contributions += 1
+            self.note_grads()
         finally:
             _set_grad_enabled(prev)
 

@@ -1,0 +1,170 @@
+# What the second misuse probe (issue 20) found and fixed: O2 steps that silently ignored or
+# double-counted gradients, checkpoints that switched O2's masters off, dtype changes after
+# amp.initialize, flags given as strings, NaN tensor learning rates, integer norm inputs. Each
+# refused call is checked to change nothing, bit for bit.
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from amp_support import amp_world, assert_same_world, make_model, one_cpu_thread  # noqa: F401  (autouse)
+from conftest import random_tensor
+import mixprec
+from mixprec import amp
+from mixprec.optimizers import FusedAdam, FusedLAMB, FusedSGD
+
+
+def batch(gen):
+    return random_tensor((16, 8), torch.float32, "cpu", gen)
+
+
+def scaled_backward(model, opt, gen, **kwargs):
+    loss = model(batch(gen)).float().pow(2).mean()
+    with amp.scale_loss(loss, opt, **kwargs) as scaled:
+        scaled.backward()
+
+
+def o2(gen, opt_cls=torch.optim.SGD, level="O2", **kwargs):
+    model = make_model(gen, "cpu")
+    opt = opt_cls(model.parameters(), lr=0.1, **kwargs)
+    return amp.initialize(model, opt, opt_level=level, verbosity=0)
+
+
+# -- O2 with a torch optimizer: the masters get gradients only through scale_loss ---------------------
+def _plain(model, opt, gen):
+    opt.zero_grad()
+    model(batch(gen)).float().pow(2).mean().backward()
+
+
+def _onto_zeroed(model, opt, gen):
+    scaled_backward(model, opt, gen)
+    opt.step()
+    opt.zero_grad(set_to_none=False)  # zeroed in place: the plain backward accumulates into them
+    model(batch(gen)).float().pow(2).mean().backward()
+
+
+def _after_a_block(model, opt, gen):
+    opt.zero_grad()
+    scaled_backward(model, opt, gen)
+    model(batch(gen)).float().pow(2).mean().backward()  # a second loss outside the block
+
+
+@pytest.mark.parametrize("backward", [_plain, _onto_zeroed, _after_a_block], ids=lambda f: f.__name__[1:])
+def test_o2_step_refuses_gradients_from_a_backward_outside_scale_loss(backward, gen):
+    """Apex's O2 step silently ignored them (the masters had no gradient, or only the block's)."""
+    model, opt = o2(gen, momentum=0.9)
+    backward(model, opt, gen)
+    before = amp_world([model], [opt])
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): the model's torch.float16 parameter .* outside .*"
+                                           r"amp.scale_loss.*nothing was stepped"):
+        opt.step()
+    assert_same_world(before, amp_world([model], [opt]))
+    opt.zero_grad()
+    scaled_backward(model, opt, gen)
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+
+
+def test_o2_gradients_amp_has_seen_step_as_before(gen):
+    """No false alarm: a second step, a step after zero_grad(set_to_none=False), a delay_unscale
+    chain, a step inside the block and an added param group all step as they did."""
+    model, opt = o2(gen, momentum=0.9)
+    scaled_backward(model, opt, gen)
+    opt.step()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    opt.step()
+    opt.zero_grad()
+    for i in range(3):
+        scaled_backward(model, opt, gen, delay_unscale=i < 2)
+    opt.step()
+    opt.zero_grad()
+    loss = model(batch(gen)).float().pow(2).mean()
+    with pytest.warns(UserWarning, match="inside"), amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+        opt.step()
+    extra = torch.nn.Linear(4, 4).half()
+    opt.add_param_group({"params": list(extra.parameters())})
+    opt.zero_grad()
+    loss = extra(model(batch(gen)).half()).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    weight = extra.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(weight, extra.weight)
+
+
+# -- O2 with a torch optimizer: add_param_group --------------------------------------------------------
+@pytest.mark.parametrize("params", ["in_a_group", "twice_in_the_new_group"])
+def test_o2_add_param_group_refuses_a_param_given_twice(params, gen):
+    """The groups hold masters, so torch's own duplicate check missed a model param given again: it
+    got a second master, and the two masters' updates overwrote each other."""
+    model, opt = o2(gen)
+    group = {"params": [model[0].weight] if params == "in_a_group" else [model[3].weight, model[3].weight]}
+    if params == "twice_in_the_new_group":
+        opt.param_groups[0]["params"] = opt.param_groups[0]["params"][:2]  # model[3] not yet optimized
+        opt._amp_stash.low_params[:] = opt._amp_stash.low_params[:1]
+        opt._amp_stash.low_masters[:] = opt._amp_stash.low_masters[:1]
+    before, n_low = amp_world([model], [opt]), len(opt._amp_stash.low_params)
+    with pytest.raises(ValueError, match=r"SGD.add_param_group: params\[\d\] is already optimized .*more than one"):
+        opt.add_param_group(group)
+    assert_same_world(before, amp_world([model], [opt]))
+    assert len(opt._amp_stash.low_params) == len(opt._amp_stash.low_masters) == n_low
+
+
+def test_o2_add_param_group_refused_by_torch_leaves_amp_as_it_was(gen):
+    model, opt = o2(gen)
+    extra = torch.nn.Linear(4, 4).half()
+    group = {"params": [extra.weight, "not a tensor"]}
+    stash = opt._amp_stash
+    before, n_low = amp_world([model], [opt]), len(stash.low_params)
+    with pytest.raises(TypeError, match="optimizer can only optimize Tensors"):
+        opt.add_param_group(group)
+    assert_same_world(before, amp_world([model], [opt]))
+    assert len(stash.low_params) == len(stash.low_masters) == len(stash.master_ids) == n_low
+    assert group["params"][0] is extra.weight  # the caller's group is not left holding a master
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, FusedSGD])
+def test_add_param_group_without_params_names_the_key(opt_cls, gen):
+    model, opt = o2(gen, opt_cls)
+    before = amp_world([model], [opt])
+    with pytest.raises(KeyError, match=f"{opt_cls.__name__}.add_param_group: param_group has no 'params'"):
+        opt.add_param_group({"lr": 0.1})
+    assert_same_world(before, amp_world([model], [opt]))
+
+
+# -- O2 with a fused optimizer: a checkpoint saved without masters ----------------------------------------
+@pytest.mark.parametrize("model_first", [True, False], ids=["model_first", "optimizer_first"])
+@pytest.mark.parametrize("opt_cls", [FusedAdam, FusedSGD, FusedLAMB])
+def test_a_checkpoint_without_masters_keeps_o2_masters_on(opt_cls, model_first, gen):
+    """An O1 (or plain) checkpoint holds master_weights=False in its groups: loaded under O2 it
+    used to step the float16 weights directly, with no masters, silently."""
+    kwargs = {"momentum": 0.9} if opt_cls is FusedSGD else {}
+    src, src_opt = o2(gen, opt_cls, level="O1", **kwargs)
+    scaled_backward(src, src_opt, gen)
+    src_opt.step()
+    model_state, opt_state = src.state_dict(), src_opt.state_dict()
+    model, opt = o2(gen, opt_cls, **kwargs)
+    if model_first:
+        model.load_state_dict(model_state)
+    opt.load_state_dict(opt_state)
+    if not model_first:
+        model.load_state_dict(model_state)
+    assert all(group["master_weights"] is True for group in opt.param_groups)
+    low = [p for p in model.parameters() if p.dtype == torch.float16]
+    masters = [opt.state[p]["master_param"] for p in low]
+    # Started from the loaded weights as the model holds them (Apex's masters came from the model).
+    assert all(m.dtype == torch.float32 and torch.equal(m, p.float()) for p, m in zip(low, masters))
+    assert torch.equal(opt.state[low[0]]["exp_avg" if opt_cls is not FusedSGD else "momentum_buffer"],
+                       src_opt.state[src[0].weight]["exp_avg" if opt_cls is not FusedSGD else "momentum_buffer"])
+    for _ in range(2):
+        opt.zero_grad()
+        scaled_backward(model, opt, gen)
+        opt.step()
+    assert all(torch.equal(p, m.half()) for p, m in zip(low, masters))  # the model is the masters' copy
+    assert any(not torch.equal(m, m.half().float()) for m in masters)  # and they hold more than fp16
