@@ -168,3 +168,28 @@ def test_a_checkpoint_without_masters_keeps_o2_masters_on(opt_cls, model_first, 
         opt.step()
     assert all(torch.equal(p, m.half()) for p, m in zip(low, masters))  # the model is the masters' copy
     assert any(not torch.equal(m, m.half().float()) for m in masters)  # and they hold more than fp16
+
+
+# -- the model's dtype changed after amp.initialize -------------------------------------------------------
+@pytest.mark.parametrize("change", ["float", "double", "half_at_bf16", "to_float32"])
+@pytest.mark.parametrize("level,opt_cls", [("O2", FusedAdam), ("O2", torch.optim.Adam), ("O3", FusedAdam)])
+def test_a_forward_after_a_dtype_change_says_what_happened(level, opt_cls, change, gen):
+    """torch's answer was "mat1 and mat2 must have the same dtype" (Apex's too): now the error
+    names the parameter, both dtypes and the call that changed them."""
+    dtype = torch.bfloat16 if change == "half_at_bf16" else torch.float16
+    model = make_model(gen, "cpu")
+    opt = opt_cls(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level=level, dtype=dtype, verbosity=0)
+    {"float": model.float, "double": model.double, "half_at_bf16": model.half,
+     "to_float32": lambda: model.to(torch.float32)}[change]()
+    now = next(model.parameters()).dtype
+    with pytest.raises(RuntimeError, match=rf"Sequential.forward: parameter '0.weight' is {now}, but amp.initialize "
+                                           rf"cast it to {dtype}: the model's dtype was changed after amp.initialize"):
+        model(batch(gen))
+
+
+def test_other_forward_errors_pass_through(gen):
+    model, _ = o2(gen, FusedAdam)
+    with pytest.raises(ValueError, match="in_features") as info:
+        model(random_tensor((16, 5), torch.float32, "cpu", gen))
+    assert "amp.initialize" not in str(info.value)

@@ -106,11 +106,18 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
 
     cast_in = functools.partial(to_type, input_dtype) if input_dtype is not None else None
     cast_out = functools.partial(to_type, output_dtype) if output_dtype is not None else None
+    # The dtypes amp cast the params to: looked at only when the forward raises (no cost per call).
+    cast_dtypes = {name: p.dtype for name, p in model.named_parameters()} if input_dtype is not None else None
 
     def forward(self, *args, **kwargs):
         if cast_in is not None:
             args, kwargs = applier(args, cast_in), applier(kwargs, cast_in)
-        if autocast_dtype is not None:
+            try:
+                output = call(self, *args, **kwargs)
+            except Exception as error:
+                _raise_if_recast(self, cast_dtypes, input_dtype, error)
+                raise
+        elif autocast_dtype is not None:
             with torch.autocast(_device_type_of(self, args, kwargs), dtype=autocast_dtype):
                 output = call(self, *args, **kwargs)
         else:
@@ -122,6 +129,21 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
         return applier(output, cast_out)
 
     model.forward = MethodType(forward, model)
+
+
+def _raise_if_recast(model: torch.nn.Module, cast_dtypes: dict, input_dtype: torch.dtype, error: Exception) -> None:
+    """A forward under O2/O3 raised: if a param's dtype is no longer the one amp.initialize cast it
+    to (model.float(), .half(), .to(dtype) afterwards), say so instead of torch's dtype mismatch."""
+    for name, p in model.named_parameters():
+        then = cast_dtypes.get(name)
+        if then is not None and p.dtype != then:
+            raise RuntimeError(
+                f"{type(model).__name__}.forward: parameter {name!r} is {p.dtype}, but amp.initialize cast it to "
+                f"{then}: the model's dtype was changed after amp.initialize (model.float(), .half(), .double() or "
+                f".to(dtype)). amp casts this model's inputs to {input_dtype} and keeps the fp32 master weights in "
+                "the optimizer, so leave the model's dtype as amp.initialize set it (model.state_dict() under O2/O3 "
+                "already gives float32 values); to train in another precision, build the model again and pass it "
+                "to amp.initialize with that opt_level") from error
 
 
 # -- disable_casts and the decorators ------------------------------------------------------------
