@@ -193,3 +193,41 @@ def test_other_forward_errors_pass_through(gen):
     with pytest.raises(ValueError, match="in_features") as info:
         model(random_tensor((16, 5), torch.float32, "cpu", gen))
     assert "amp.initialize" not in str(info.value)
+
+
+# -- amp.initialize's arguments -----------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(enabled="False"), "enabled must be True or False, got 'False'"),
+    (dict(master_weights="False"), "master_weights must be True or False .*got 'False'"),
+    (dict(patch_torch_functions="no"), "patch_torch_functions must be True or False"),
+    (dict(master_weights=2), "master_weights must be True or False"),
+])
+def test_initialize_refuses_flags_that_are_not_bools(kwargs, match, gen):
+    """Apex tested them for truth: enabled="False" or master_weights="False" (an argparse or config
+    string) meant True."""
+    model, opt = o2(gen, FusedAdam)
+    other = make_model(gen, "cpu")
+    before = amp_world([model, other], [opt])
+    with pytest.raises(TypeError, match=f"amp.initialize: {match}"):
+        amp.initialize(other, opt_level="O2", **kwargs)
+    assert_same_world(before, amp_world([model, other], [opt]))
+
+
+def test_initialize_takes_numpy_scale_bounds(gen):
+    model = make_model(gen, "cpu")
+    amp.initialize(model, opt_level="O2", min_loss_scale=np.float32(4.0), max_loss_scale=np.float32(1024.0),
+                   verbosity=0)
+    assert amp.loss_scale() == 1024.0
+    assert amp._amp_state.loss_scalers[0].state.min_scale == 4.0
+
+
+def test_initialize_names_a_tuple(gen):
+    with pytest.raises(TypeError, match=r"models must be either a single model or a list of models. .*tuple"):
+        amp.initialize((make_model(gen, "cpu"),), opt_level="O2")
+
+
+def test_reading_the_scale_of_a_disabled_amp_says_why(gen):
+    amp.initialize(make_model(gen, "cpu"), enabled=False)
+    for read in (amp.loss_scale, amp.scale_history, lambda: amp.skipped_steps(0)):
+        with pytest.raises(RuntimeError, match="enabled=False, which keeps no loss scaler"):
+            read()

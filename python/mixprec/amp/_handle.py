@@ -18,6 +18,9 @@ def _scaler(loss_id: int) -> LossScaler:
         return scalers[loss_id]
     if not _amp_state.initialized:
         raise RuntimeError("mixprec.amp is not initialized: call amp.initialize(...) first")
+    if not scalers:
+        raise RuntimeError("mixprec.amp was initialized with enabled=False, which keeps no loss scaler: there is no "
+                           "loss scale, scale history or skipped-step count to read")
     if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(_amp_state.loss_scalers):
         raise ValueError(f"loss_id must be an int in [0, num_losses={len(_amp_state.loss_scalers)}), got {loss_id!r}")
     return _amp_state.loss_scalers[loss_id]

@@ -37,11 +37,21 @@ def _resolve_dtype(dtype: Optional[torch.dtype], cast_model_type: Any) -> torch.
     return dtype if dtype is not None else torch.float16
 
 
+def _check_flags(**flags: Any) -> None:
+    # Apex tested these for truth, so enabled="False" or master_weights="False" (a config file, an
+    # argparse string) silently meant True; only bools, 0/1 and None (the opt level's value) pass.
+    for name, v in flags.items():
+        if not (v is None or isinstance(v, bool) or (isinstance(v, numbers.Integral) and v in (0, 1))):
+            default = "" if name == "enabled" else " (or None: the opt level's choice)"
+            raise TypeError(f"amp.initialize: {name} must be True or False{default}, got {v!r}")
+
+
 def _check_loss_scale_bounds(min_loss_scale: Any, max_loss_scale: Any) -> None:
     for name, v in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
         if v is None and name == "min_loss_scale":
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        # numbers.Real: numpy scalars too (a sweep's np.float32), not bools.
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"amp.initialize: {name} must be a positive finite number, got {v!r}")
     if min_loss_scale is not None and max_loss_scale < min_loss_scale:
         raise ValueError(f"amp.initialize: max_loss_scale ({max_loss_scale}) < min_loss_scale ({min_loss_scale})")
@@ -94,6 +104,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if isinstance(verbosity, bool) or not isinstance(verbosity, numbers.Integral) or verbosity < 0:
         raise ValueError(f"amp.initialize: verbosity must be an int >= 0 (0 silent, 1 default, 2 verbose), "
                          f"got {verbosity!r}")
+    _check_flags(enabled=enabled, patch_torch_functions=patch_torch_functions, master_weights=master_weights)
     if not enabled:
         # Apex: a disabled amp is an initialized amp whose scale_loss and steps do nothing extra.
         _amp_state.reset(Properties(), int(verbosity), process_group)
@@ -105,6 +116,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be a positive int, got {num_losses!r}")
     _check_loss_scale_bounds(min_loss_scale, max_loss_scale)
+    min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
+    max_loss_scale = float(max_loss_scale)
     if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"amp.initialize: cast_model_outputs must be a floating dtype, got {cast_model_outputs!r}")
     low = _resolve_dtype(dtype, cast_model_type)
@@ -218,7 +231,7 @@ def _as_list(value, what: str, cls) -> tuple[list, bool]:
     if isinstance(value, list) and all(isinstance(v, cls) for v in value):
         return value, True
     raise TypeError(f"{what} must be either a single {'model' if what == 'models' else 'optimizer'} or a list of "
-                    f"{what}.")
+                    f"{what}. (amp.initialize: {what} is a {type(value).__name__})")
 
 
 def _check_targets(models: list, optimizers: list, props: Properties) -> None:
