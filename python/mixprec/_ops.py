@@ -180,6 +180,9 @@ def _norm_args(call: str, input: torch.Tensor, normalized_shape) -> list[int]:
     as some other error (a str split into digits, a float "not iterable", a sparse layout)."""
     if isinstance(input, torch.Tensor) and input.layout != torch.strided:
         raise ValueError(f"{call}: input must be a dense (strided) tensor, got layout {input.layout}")
+    if isinstance(input, torch.Tensor) and not input.is_floating_point():
+        # Otherwise ATen's kernel lookup answers ("... not implemented for 'Long'").
+        raise TypeError(f"{call}: input has dtype {input.dtype}; expected float32, float16, bfloat16 or float64")
     dims = normalized_shape if isinstance(normalized_shape, Sequence) else [normalized_shape]
     try:
         if isinstance(dims, (str, bytes)) or any(isinstance(d, bool) for d in dims):

@@ -231,3 +231,40 @@ def test_reading_the_scale_of_a_disabled_amp_says_why(gen):
     for read in (amp.loss_scale, amp.scale_history, lambda: amp.skipped_steps(0)):
         with pytest.raises(RuntimeError, match="enabled=False, which keeps no loss scaler"):
             read()
+
+
+# -- a tensor learning rate -----------------------------------------------------------------------------------
+BAD_TENSOR_LR = {"nan": torch.tensor(math.nan), "negative": torch.tensor(-1e-3), "inf": torch.tensor(math.inf),
+                 "meta": torch.tensor(1e-3, device="meta")}
+
+
+@pytest.mark.parametrize("lr", list(BAD_TENSOR_LR))
+@pytest.mark.parametrize("opt_cls", [FusedAdam, FusedSGD, FusedLAMB])
+def test_a_bad_tensor_lr_is_refused_like_a_number(opt_cls, lr, gen):
+    """torch.optim refuses a NaN or negative tensor lr; mixprec took any one-element tensor and
+    trained to NaN (or uphill) silently."""
+    bad = BAD_TENSOR_LR[lr]
+    params = [torch.nn.Parameter(random_tensor((5, 3), torch.float32, "cpu", gen)) for _ in range(2)]
+    match = rf"{opt_cls.__name__}: {{}}: invalid lr tensor\(.*expected a finite number >= 0, or a one-element"
+    with pytest.raises(ValueError, match=match.format("defaults")):
+        opt_cls(params, lr=bad)
+    opt = opt_cls(params[:1], lr=torch.tensor(1e-2))
+    with pytest.raises(ValueError, match=match.format("param group 1")):
+        opt.add_param_group({"params": params[1:], "lr": bad})
+    for p in params:
+        p.grad = random_tensor(p.shape, p.dtype, "cpu", gen)
+    opt.step()
+    opt.param_groups[0]["lr"] = bad  # as a scheduler would write it
+    before = [t.clone() for t in [params[0], *opt.state[params[0]].values()] if isinstance(t, torch.Tensor)]
+    with pytest.raises(ValueError, match=match.format("param group 0")):
+        opt.step()
+    after = [t for t in [params[0], *opt.state[params[0]].values()] if isinstance(t, torch.Tensor)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# -- the norm ops on integer input ------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", [mixprec.layer_norm, mixprec.rms_norm], ids=lambda f: f.__name__)
+def test_norms_name_an_integer_input(op):
+    """ATen's kernel lookup answered: "LayerNormKernelImpl" not implemented for 'Long'."""
+    with pytest.raises(TypeError, match=rf"mixprec.{op.__name__}: input has dtype torch.int64; expected float32"):
+        op(torch.ones(2, 3, dtype=torch.int64), 3)
