@@ -209,6 +209,13 @@ def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
                 else type(scale).__name__)
         raise TypeError(f"mixprec.scale_: scale must be a one-element float32 tensor on the tensors' device, "
                         f"got {what}")
+    if torch.is_grad_enabled():
+        for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                # The op writes outside autograd (no version bump): a graph that saved the tensor would
+                # compute wrong gradients without a word; torch refuses in-place writes to such leaves.
+                raise RuntimeError(f"mixprec.scale_: tensors[{i}] requires grad while grad mode is on; scale_ writes "
+                                   "in place outside autograd: pass gradients, or call it under torch.no_grad()")
     (tensors,) = local_lists("scale_", (tensors,))
     _ops.non_finite_check_and_unscale_(tensors, None, scale, [], None)
 

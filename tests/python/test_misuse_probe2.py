@@ -268,3 +268,19 @@ def test_norms_name_an_integer_input(op):
     """ATen's kernel lookup answered: "LayerNormKernelImpl" not implemented for 'Long'."""
     with pytest.raises(TypeError, match=rf"mixprec.{op.__name__}: input has dtype torch.int64; expected float32"):
         op(torch.ones(2, 3, dtype=torch.int64), 3)
+
+
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "saved_by_a_graph"])
+def test_scale_refuses_a_tensor_autograd_tracks(leaf):
+    """The op bumps no version counter: scaling a tensor a graph saved gave wrong gradients, silently."""
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    x = w if leaf else w * 1.0
+    y = (x * x).sum()
+    with pytest.raises(RuntimeError, match=r"mixprec.scale_: tensors\[1\] requires grad while grad mode is on"):
+        mixprec.scale_([torch.ones(2), x], torch.tensor([2.0]))
+    assert torch.equal(x.detach(), torch.tensor([1.0, 2.0]))
+    y.backward()
+    assert torch.equal(w.grad, torch.tensor([2.0, 4.0]))
+    with torch.no_grad():  # an optimizer's use: params, outside autograd
+        mixprec.scale_([w], torch.tensor([2.0]))
+    assert torch.equal(w.detach(), torch.tensor([2.0, 4.0]))
