@@ -233,6 +233,41 @@ def test_reading_the_scale_of_a_disabled_amp_says_why(gen):
             read()
 
 
+def test_a_model_built_under_inference_mode_is_refused_before_anything_changes(gen):
+    """It used to be cast, and the first step failed inside an op: "Inference tensors do not track
+    version counter"."""
+    model, opt = o2(gen, FusedAdam)
+    with torch.inference_mode():
+        frozen = make_model(gen, "cpu")
+    frozen_opt = FusedAdam(frozen.parameters(), lr=1e-3)
+    before = amp_world([model, frozen], [opt, frozen_opt])
+    with pytest.raises(RuntimeError, match=r"amp.initialize: models\[0\] parameter 0.weight was created under "
+                                           r"torch.inference_mode\(\)"):
+        amp.initialize(frozen, frozen_opt, opt_level="O2")
+    assert_same_world(before, amp_world([model, frozen], [opt, frozen_opt]))
+
+
+@pytest.mark.parametrize("opt_cls", [FusedAdam, torch.optim.Adam])
+def test_a_scheduler_made_before_initialize_does_not_warn(opt_cls, gen, recwarn):
+    """torch's schedulers found amp's step without their wrapper's mark and warned that
+    optimizer.step() had been overridden."""
+    model = make_model(gen, "cpu")
+    opt = opt_cls(model.parameters(), lr=0.1)
+    early = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    for _ in range(3):
+        opt.zero_grad()
+        scaled_backward(model, opt, gen)
+        opt.step()
+        early.step()
+    assert not [w for w in recwarn.list if "lr_scheduler" in str(w.message)], [str(w.message) for w in recwarn.list]
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5**3
+    model, opt = o2(gen, opt_cls)
+    late = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)  # made after: a real misordering still warns
+    with pytest.warns(UserWarning, match=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"):
+        late.step()
+
+
 # -- a tensor learning rate -----------------------------------------------------------------------------------
 BAD_TENSOR_LR = {"nan": torch.tensor(math.nan), "negative": torch.tensor(-1e-3), "inf": torch.tensor(math.inf),
                  "meta": torch.tensor(1e-3, device="meta")}

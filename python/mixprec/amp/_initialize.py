@@ -247,6 +247,13 @@ def _check_targets(models: list, optimizers: list, props: Properties) -> None:
                                "DTensors (fully_shard): FSDP2 owns their storage. Use fully_shard(..., mp_policy="
                                "mixprec.distributed.mixed_precision_policy('O2', dtype)) and no amp.initialize; see "
                                "docs/distributed.md")
+        for name, param in model.named_parameters():
+            if param.is_inference():
+                # Otherwise the first scaled step fails inside an op ("Inference tensors do not track
+                # version counter"), after amp cast the model.
+                raise RuntimeError(f"amp.initialize: models[{index}] parameter {name} was created under "
+                                   "torch.inference_mode() and cannot be trained; build the model outside "
+                                   "inference_mode (or replace its parameters with clones made outside it)")
         if _amp_state.allow_incoming_model_not_fp32:
             continue  # Apex's escape hatch for models that arrive in fp16/bf16 on purpose
         for name, param in model.named_parameters():

@@ -19,6 +19,7 @@ from ._scaler import _amp_state
 
 def _patched_step(self, *args: Any, **kwargs: Any):
     stash: AmpStash = self._amp_stash
+    self._opt_called = True  # what torch's LR schedulers' step wrapper records (see below)
     closure = args[0] if args else kwargs.get("closure")
     if closure is not None:
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
@@ -67,6 +68,11 @@ def _patched_step(self, *args: Any, **kwargs: Any):
     stash.after_step()
     return retval
 
+
+# torch's LR schedulers wrap optimizer.step to learn that it ran, and warn that "optimizer.step()
+# has been overridden" when they find a step without their mark: a scheduler made before
+# amp.initialize warned on every run. amp's step records the call itself and carries the mark.
+_patched_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 _warned: set = set()
 
