@@ -52,14 +52,21 @@ def _after_a_block(model, opt, gen):
     model(batch(gen)).float().pow(2).mean().backward()  # a second loss outside the block
 
 
-@pytest.mark.parametrize("backward", [_plain, _onto_zeroed, _after_a_block], ids=lambda f: f.__name__[1:])
+def _clipped_model_grads(model, opt, gen):
+    opt.zero_grad()
+    scaled_backward(model, opt, gen)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # O2's recipe clips amp.master_params(opt)
+
+
+@pytest.mark.parametrize("backward", [_plain, _onto_zeroed, _after_a_block, _clipped_model_grads],
+                         ids=lambda f: f.__name__[1:])
 def test_o2_step_refuses_gradients_from_a_backward_outside_scale_loss(backward, gen):
     """Apex's O2 step silently ignored them (the masters had no gradient, or only the block's)."""
     model, opt = o2(gen, momentum=0.9)
     backward(model, opt, gen)
     before = amp_world([model], [opt])
-    with pytest.raises(RuntimeError, match=r"SGD.step\(\): the model's torch.float16 parameter .* outside .*"
-                                           r"amp.scale_loss.*nothing was stepped"):
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): the model's torch.float16 parameter .* amp did not "
+                                           r"unscale: a backward outside .*nothing was stepped"):
         opt.step()
     assert_same_world(before, amp_world([model], [opt]))
     opt.zero_grad()

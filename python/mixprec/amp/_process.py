@@ -30,11 +30,12 @@ def _patched_step(self, *args: Any, **kwargs: Any):
         if stray is not None:
             # The masters get gradients only from scale_loss's unscale: stepping would silently
             # ignore this backward (Apex's step did), or apply a GradScaler's scaled values.
-            raise RuntimeError(f"{type(self).__name__}.step(): {stray} has a gradient from a backward outside "
-                               "`with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`; under "
-                               "amp's O2 its fp32 master only receives gradients through scale_loss, so this step "
-                               "would ignore them (nothing was stepped). Call optimizer.zero_grad() and backpropagate "
-                               "through amp.scale_loss")
+            raise RuntimeError(f"{type(self).__name__}.step(): {stray} has a gradient amp did not unscale: a "
+                               "backward outside `with amp.scale_loss(loss, optimizer) as scaled_loss: "
+                               "scaled_loss.backward()`, or an in-place change after it (clip amp.master_params("
+                               "optimizer), not model.parameters()); under amp's O2 its fp32 master only receives "
+                               "gradients through scale_loss, so this step would ignore it (nothing was stepped). "
+                               "Call optimizer.zero_grad() and backpropagate through amp.scale_loss")
     if stash.fused and ("grad_scale" in self.__dict__ or "found_inf" in self.__dict__) and _amp_scales_losses():
         # A GradScaler (torch's or mixprec's) handed this step its scale: the loss went through
         # both scalers, and one of the two scales would stay in the gradients.
