@@ -58,15 +58,19 @@ def _clipped_model_grads(model, opt, gen):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # O2's recipe clips amp.master_params(opt)
 
 
-@pytest.mark.parametrize("backward", [_plain, _onto_zeroed, _after_a_block, _clipped_model_grads],
-                         ids=lambda f: f.__name__[1:])
-def test_o2_step_refuses_gradients_from_a_backward_outside_scale_loss(backward, gen):
-    """Apex's O2 step silently ignored them (the masters had no gradient, or only the block's)."""
-    model, opt = o2(gen, momentum=0.9)
+STRAY = [(f, torch.optim.SGD) for f in (_plain, _onto_zeroed, _after_a_block, _clipped_model_grads)] + [
+    (f, FusedSGD) for f in (_after_a_block, _clipped_model_grads)]  # a fused one steps a plain backward as is
+
+
+@pytest.mark.parametrize("backward,opt_cls", STRAY, ids=lambda v: getattr(v, "__name__", "").lstrip("_"))
+def test_o2_step_refuses_gradients_amp_did_not_unscale(backward, opt_cls, gen):
+    """Apex's O2 step silently ignored them (its masters had no gradient, or only the block's); a
+    fused optimizer divided them by the block's scale along with the block's own."""
+    model, opt = o2(gen, opt_cls, momentum=0.9)
     backward(model, opt, gen)
     before = amp_world([model], [opt])
-    with pytest.raises(RuntimeError, match=r"SGD.step\(\): the model's torch.float16 parameter .* amp did not "
-                                           r"unscale: a backward outside .*nothing was stepped"):
+    with pytest.raises(RuntimeError, match=rf"{opt_cls.__name__}.step\(\): the model's torch.float16 parameter .* "
+                                           r"amp did not unscale: a backward outside .*nothing was stepped"):
         opt.step()
     assert_same_world(before, amp_world([model], [opt]))
     opt.zero_grad()
@@ -74,6 +78,30 @@ def test_o2_step_refuses_gradients_from_a_backward_outside_scale_loss(backward, 
     weights = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.SGD, FusedSGD])
+def test_scale_loss_refuses_to_drop_a_plain_backwards_gradients(opt_cls, gen):
+    """A loss backpropagated before the block, outside it: the block set the model's float16
+    gradients aside as scaled leftovers (Apex did too), dropping that loss silently."""
+    model, opt = o2(gen, opt_cls)
+    _plain(model, opt, gen)
+    loss = model(batch(gen)).float().pow(2).mean()
+    before = amp_world([model], [opt])  # after the forward, which moves BatchNorm's running stats
+    with pytest.raises(RuntimeError, match=rf"amp.scale_loss: optimizers\[0\] \({opt_cls.__name__}\): the model's "
+                                           r"torch.float16 parameter .*this block would drop it"):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    assert_same_world(before, amp_world([model], [opt]))
+
+
+def test_a_fused_optimizer_steps_a_plain_backward_as_it_is(gen):
+    """No block, so nothing scaled: the fused kernel reads the model's gradients as they are."""
+    model, opt = o2(gen, FusedSGD)
+    _plain(model, opt, gen)
+    weight, grad = model[0].weight.detach().float(), model[0].weight.grad.float()
+    opt.step()
+    assert torch.allclose(model[0].weight.float(), weight - 0.1 * grad, atol=1e-3)
 
 
 def test_o2_gradients_amp_has_seen_step_as_before(gen):

@@ -9,6 +9,7 @@ import torch
 
 from .._loss_scale import combine_found
 from ..distributed import agree_found_inf_
+from ._optimizer import stray_message
 from ._scaler import LossScaler, _amp_state
 
 
@@ -104,6 +105,12 @@ class _ScaleLoss:
         if not options["master_weights"] and unit:
             return loss.float()  # nothing to scale, check or copy (fp32, or bf16 without scaling)
 
+        for i, stash in enumerate(stashes):
+            stray = None if stash.params_have_scaled_gradients else stash.stray_gradient()
+            if stray is not None:
+                raise RuntimeError(f"amp.scale_loss: optimizers[{i}] ({type(stash.optimizer).__name__}): "
+                                   f"{stray_message(stray)}, so this block would drop it (nothing was changed). Call "
+                                   "optimizer.zero_grad() first, or backpropagate that loss through amp.scale_loss too")
         # Unscaled gradients already there (an earlier block, or a delayed chain completed early
         # by amp.master_params) are set aside, delay_unscale or not: scaled ones must never be
         # added onto them. They come back when the chain is completed.

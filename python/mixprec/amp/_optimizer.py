@@ -58,6 +58,13 @@ def _unscale_into(srcs: list[torch.Tensor], outs: list[torch.Tensor], found: Opt
             b.copy_(tmp)
 
 
+def stray_message(stray: str) -> str:
+    return (f"{stray} has a gradient amp did not unscale: a backward outside `with amp.scale_loss(loss, "
+            "optimizer) as scaled_loss: scaled_loss.backward()`, or an in-place change after it (clip "
+            "amp.master_params(optimizer), not model.parameters()); under amp's O2 its fp32 master receives "
+            "gradients only through scale_loss")
+
+
 class AmpStash:
     """Per-optimizer amp state (Apex's ``optimizer._amp_stash``).
 
@@ -144,24 +151,37 @@ class AmpStash:
         else:
             yield from self._group_params()
 
+    def _watched(self) -> list[torch.Tensor]:
+        """The model params whose gradients amp marks: every low-precision one under SWAP; under
+        FUSED_MASTERS, whose hot path must not loop over params each step, the first and last
+        low-precision ones (a stray backward reaches both, as a rule)."""
+        if self.kind == SWAP:
+            return self.low_params
+        if self.kind != FUSED_MASTERS:
+            return []
+        groups = self.optimizer.param_groups
+        first = next((p for g in groups for p in g["params"] if p.dtype != torch.float32), None)
+        if first is None:
+            return []
+        last = next(p for g in reversed(groups) for p in reversed(g["params"]) if p.dtype != torch.float32)
+        return [first] if last is first else [first, last]
+
     def note_grads(self) -> None:
-        """SWAP: the model params' gradients are the ones amp has accounted for (unscaled into the
-        masters, or zeroed)."""
-        if self.kind != SWAP:
-            return
-        self.grad_marks = {id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else None
-                           for p in self.low_params}
+        """The watched gradients are the ones amp has accounted for (unscaled, checked or zeroed)."""
+        if self.kind != PLAIN:
+            self.grad_marks = {id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else None
+                               for p in self._watched()}
 
     def stray_gradient(self) -> Optional[str]:
-        """SWAP: which model param holds a gradient amp has not seen (a backward outside scale_loss,
-        or a GradScaler's), if any."""
-        for i, p in enumerate(self.low_params):
+        """Which watched param holds a gradient amp has not seen (a backward outside scale_loss, an
+        in-place change after it, or a GradScaler's), if any."""
+        for p in self._watched():
             g = p.grad
             if g is None:
                 continue
             mark = self.grad_marks.get(id(p))
             if mark is None or mark[0]() is not g or mark[1] != g._version:
-                return f"the model's {p.dtype} parameter {i} of shape {tuple(p.shape)}"
+                return f"the model's {p.dtype} parameter of shape {tuple(p.shape)}"
         return None
 
     # -- around a scaled backward ---------------------------------------------------------------
@@ -199,6 +219,7 @@ class AmpStash:
         for p in self.low_params:  # SWAP: the model's own params (their values are in the master grads)
             p.grad = None
         stashed.clear()
+        self.note_grads()
 
     def has_sparse_gradient(self) -> bool:
         """Whether any param this stash unscales (the optimizer's, and under SWAP the model's) has
@@ -227,6 +248,7 @@ class AmpStash:
                     if not self.pending:
                         self.pending = True
                         self.grad_scale = scale.clone() if scale is not None else None
+                    self.note_grads()
                     return
                 self.materialized = True  # unscaled fp32 grads were stashed: merge them eagerly
             # Low-precision model grads into fp32 master grads (SWAP, or materialized FUSED_MASTERS).
@@ -287,6 +309,7 @@ class AmpStash:
         self.wb_scale = self.grad_scale
         self.contributions = 1
         self.pending, self.materialized, self.grad_scale = False, True, None
+        self.note_grads()  # the fp32 params' gradients were unscaled in place
 
     # -- the step ---------------------------------------------------------------------------------
     def prepare_step(self) -> Optional[torch.Tensor]:
@@ -344,6 +367,7 @@ class AmpStash:
             for _, m in self.low_pairs():
                 m.grad = None
         self._reset_step()
+        self.note_grads()  # a fused kernel handed amp's scale writes the unscaled gradients back
 
 
 _refresh_suspended = False

@@ -12,7 +12,7 @@ import torch
 
 from .._step_guard import StepGuard
 from ..optimizers import FusedOptimizer
-from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash
+from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash, stray_message
 from ._properties import LOW_DTYPES
 from ._scaler import _amp_state
 
@@ -25,17 +25,16 @@ def _patched_step(self, *args: Any, **kwargs: Any):
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
     if stash.poisoned:
         raise RuntimeError(stash.poisoned_message(f"{type(self).__name__}.step()"))
-    if stash.kind == SWAP and stash.unfinished is None:
+    # SWAP's masters get gradients only from scale_loss; FUSED_MASTERS steps a plain backward's
+    # gradients as they are, but not ones mixed into a block's scaled ones.
+    if stash.unfinished is None and (stash.kind == SWAP or stash.pending or stash.materialized):
         stray = stash.stray_gradient()
         if stray is not None:
             # The masters get gradients only from scale_loss's unscale: stepping would silently
             # ignore this backward (Apex's step did), or apply a GradScaler's scaled values.
-            raise RuntimeError(f"{type(self).__name__}.step(): {stray} has a gradient amp did not unscale: a "
-                               "backward outside `with amp.scale_loss(loss, optimizer) as scaled_loss: "
-                               "scaled_loss.backward()`, or an in-place change after it (clip amp.master_params("
-                               "optimizer), not model.parameters()); under amp's O2 its fp32 master only receives "
-                               "gradients through scale_loss, so this step would ignore it (nothing was stepped). "
-                               "Call optimizer.zero_grad() and backpropagate through amp.scale_loss")
+            raise RuntimeError(f"{type(self).__name__}.step(): {stray_message(stray)}, so this step would ignore "
+                               "it or mix it with scaled values (nothing was stepped). Call optimizer.zero_grad() and "
+                               "backpropagate through amp.scale_loss")
     if stash.fused and ("grad_scale" in self.__dict__ or "found_inf" in self.__dict__) and _amp_scales_losses():
         # A GradScaler (torch's or mixprec's) handed this step its scale: the loss went through
         # both scalers, and one of the two scales would stay in the gradients.
@@ -242,6 +241,7 @@ def process_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool, or
         optimizer.master_weights = True
         for group in optimizer.param_groups:
             _init_fused_masters(optimizer, group, originals)
+    stash.note_grads()  # gradients from before initialize are dropped by the first block, as in Apex
     optimizer._amp_stash = stash
     stash.orig_step = optimizer.step
     stash.orig_zero_grad = optimizer.zero_grad
