@@ -160,10 +160,11 @@ class AmpStash:
         if self.kind != FUSED_MASTERS:
             return []
         groups = self.optimizer.param_groups
-        first = next((p for g in groups for p in g["params"] if p.dtype != torch.float32), None)
+        first = next((p for g in groups for p in g["params"] if p.dtype != torch.float32 and p.requires_grad), None)
         if first is None:
             return []
-        last = next(p for g in reversed(groups) for p in reversed(g["params"]) if p.dtype != torch.float32)
+        last = next(p for g in reversed(groups) for p in reversed(g["params"])
+                    if p.dtype != torch.float32 and p.requires_grad)
         return [first] if last is first else [first, last]
 
     def note_grads(self) -> None:
