@@ -9,7 +9,7 @@ import torch
 
 from .._loss_scale import combine_found
 from ..distributed import agree_found_inf_
-from ._optimizer import stray_message
+from ._grad_marks import stray_message
 from ._scaler import LossScaler, _amp_state
 
 

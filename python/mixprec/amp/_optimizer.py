@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -15,9 +14,8 @@ from .. import _ops
 from .._loss_scale import check_and_unscale_, combine_found
 from .._step_guard import StepGuard
 from ..distributed import agree_found_inf_
+from ._grad_marks import FUSED_MASTERS, PLAIN, SWAP, GradMarks
 from ._scaler import _amp_state
-
-PLAIN, SWAP, FUSED_MASTERS = "plain", "swap", "fused_masters"
 
 # Grad mode off around the work on gradients, as torch.no_grad() does (grads made by a
 # create_graph backward require grad), without its decorator's ~10 Python calls per use: these
@@ -58,14 +56,7 @@ def _unscale_into(srcs: list[torch.Tensor], outs: list[torch.Tensor], found: Opt
             b.copy_(tmp)
 
 
-def stray_message(stray: str) -> str:
-    return (f"{stray} has a gradient amp did not unscale: a backward outside `with amp.scale_loss(loss, "
-            "optimizer) as scaled_loss: scaled_loss.backward()`, or an in-place change after it (clip "
-            "amp.master_params(optimizer), not model.parameters()); under amp's O2 its fp32 master receives "
-            "gradients only through scale_loss")
-
-
-class AmpStash:
+class AmpStash(GradMarks):
     """Per-optimizer amp state (Apex's ``optimizer._amp_stash``).
 
     ``kind``: PLAIN (models are masters: O0, O1, O3), SWAP (O2 with any optimizer that is not a
@@ -150,40 +141,6 @@ class AmpStash:
                 yield state[p]["master_param"] if "master_param" in state.get(p, {}) else p
         else:
             yield from self._group_params()
-
-    def _watched(self) -> list[torch.Tensor]:
-        """The model params whose gradients amp marks: every low-precision one under SWAP; under
-        FUSED_MASTERS, whose hot path must not loop over params each step, the first and last
-        low-precision ones (a stray backward reaches both, as a rule)."""
-        if self.kind == SWAP:
-            return self.low_params
-        if self.kind != FUSED_MASTERS:
-            return []
-        groups = self.optimizer.param_groups
-        first = next((p for g in groups for p in g["params"] if p.dtype != torch.float32 and p.requires_grad), None)
-        if first is None:
-            return []
-        last = next(p for g in reversed(groups) for p in reversed(g["params"])
-                    if p.dtype != torch.float32 and p.requires_grad)
-        return [first] if last is first else [first, last]
-
-    def note_grads(self) -> None:
-        """The watched gradients are the ones amp has accounted for (unscaled, checked or zeroed)."""
-        if self.kind != PLAIN:
-            self.grad_marks = {id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else None
-                               for p in self._watched()}
-
-    def stray_gradient(self) -> Optional[str]:
-        """Which watched param holds a gradient amp has not seen (a backward outside scale_loss, an
-        in-place change after it, or a GradScaler's), if any."""
-        for p in self._watched():
-            g = p.grad
-            if g is None:
-                continue
-            mark = self.grad_marks.get(id(p))
-            if mark is None or mark[0]() is not g or mark[1] != g._version:
-                return f"the model's {p.dtype} parameter of shape {tuple(p.shape)}"
-        return None
 
     # -- around a scaled backward ---------------------------------------------------------------
     def prepare_backward(self) -> None:

@@ -12,7 +12,8 @@ import torch
 
 from .._step_guard import StepGuard
 from ..optimizers import FusedOptimizer
-from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash, stray_message
+from ._grad_marks import stray_message
+from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash
 from ._properties import LOW_DTYPES
 from ._scaler import _amp_state
 
