@@ -27,10 +27,10 @@ def scaled_backward(model, opt, gen, **kwargs):
         scaled.backward()
 
 
-def o2(gen, opt_cls=torch.optim.SGD, level="O2", **kwargs):
+def o2(gen, opt_cls=torch.optim.SGD, level="O2", dtype=None, **kwargs):
     model = make_model(gen, "cpu")
     opt = opt_cls(model.parameters(), lr=0.1, **kwargs)
-    return amp.initialize(model, opt, opt_level=level, verbosity=0)
+    return amp.initialize(model, opt, opt_level=level, verbosity=0, dtype=dtype)
 
 
 # -- O2 with a torch optimizer: the masters get gradients only through scale_loss ---------------------
@@ -219,8 +219,25 @@ def test_a_forward_after_a_dtype_change_says_what_happened(level, opt_cls, chang
      "to_float32": lambda: model.to(torch.float32)}[change]()
     now = next(model.parameters()).dtype
     with pytest.raises(RuntimeError, match=rf"Sequential.forward: parameter '0.weight' is {now}, but amp.initialize "
-                                           rf"cast it to {dtype}: the model's dtype was changed after amp.initialize"):
+                                           rf"left it {dtype}: the model's dtype was changed after amp.initialize"):
         model(batch(gen))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_an_o1_forward_after_a_dtype_change_refuses_to_train_low_weights(dtype, gen):
+    """Under O1 the forward ran on (autocast takes float16 weights), and the optimizer stepped the
+    float16 weights with no fp32 masters, silently."""
+    model, opt = o2(gen, FusedAdam, level="O1", dtype=dtype)
+    model.to(dtype)
+    before = amp_world([model], [opt])
+    with pytest.raises(RuntimeError, match=rf"parameter '0.weight' is {dtype}, but amp.initialize left it "
+                                           r"torch.float32: .*under O1 .*without fp32 masters"):
+        model(batch(gen))
+    assert_same_world(before, amp_world([model], [opt]))
+    model.float()  # put back: trains as before
+    opt.zero_grad()
+    scaled_backward(model, opt, gen)
+    opt.step()
 
 
 def test_other_forward_errors_pass_through(gen):
