@@ -273,6 +273,24 @@ def test_initialize_takes_numpy_scale_bounds(gen):
     assert amp._amp_state.loss_scalers[0].state.min_scale == 4.0
 
 
+def test_numpy_ints_count_losses_as_in_apex(gen):
+    """Apex indexed its list of scalers with loss_id and ranged over num_losses: a sweep's numpy ints
+    worked there; mixprec refused them as not ints."""
+    model = make_model(gen, "cpu")
+    opt = FusedAdam(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=np.int64(2), scale_history=np.int32(2),
+                                verbosity=0)
+    amp._amp_state.loss_scalers[1]._loss_scale = 64.0
+    for loss_id in np.arange(2):
+        loss = model(batch(gen)).float().pow(2).mean()
+        with amp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+            assert (scaled / loss).item() == (2.0**16, 64.0)[loss_id]
+            scaled.backward()
+    assert amp.loss_scale(np.int64(1)) == 64.0 and len(amp.scale_history(np.int64(0))) == 1
+    with pytest.raises(ValueError, match=r"loss_id must be an int in \[0, num_losses=2\), got np.int64\(2\)"):
+        amp.loss_scale(np.int64(2))
+
+
 def test_initialize_names_a_tuple(gen):
     with pytest.raises(TypeError, match=r"models must be either a single model or a list of models. .*tuple"):
         amp.initialize((make_model(gen, "cpu"),), opt_level="O2")

@@ -3,6 +3,7 @@ accumulation with delay_unscale) and the on-request views of the loss scalers.""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -22,9 +23,10 @@ def _scaler(loss_id: int) -> LossScaler:
     if not scalers:
         raise RuntimeError("mixprec.amp was initialized with enabled=False, which keeps no loss scaler: there is no "
                            "loss scale, scale history or skipped-step count to read")
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(_amp_state.loss_scalers):
-        raise ValueError(f"loss_id must be an int in [0, num_losses={len(_amp_state.loss_scalers)}), got {loss_id!r}")
-    return _amp_state.loss_scalers[loss_id]
+    # Integral: a numpy int from np.arange indexes Apex's list of scalers too.
+    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral) or not 0 <= loss_id < len(scalers):
+        raise ValueError(f"loss_id must be an int in [0, num_losses={len(scalers)}), got {loss_id!r}")
+    return scalers[int(loss_id)]
 
 
 def scale_loss(loss: torch.Tensor, optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],

@@ -113,8 +113,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if opt_level not in opt_levels:
         raise RuntimeError(f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3'.  Note "
                            "that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero.")
-    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+    if isinstance(num_losses, bool) or not isinstance(num_losses, numbers.Integral) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be a positive int, got {num_losses!r}")
+    num_losses = int(num_losses)  # numpy ints too, as Apex's range(num_losses) took them
     _check_loss_scale_bounds(min_loss_scale, max_loss_scale)
     min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
     max_loss_scale = float(max_loss_scale)
@@ -123,8 +124,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     low = _resolve_dtype(dtype, cast_model_type)
     if layer_kernels is not None and not isinstance(layer_kernels, bool):
         raise TypeError(f"amp.initialize: layer_kernels must be True, False or None, got {layer_kernels!r}")
-    if isinstance(scale_history, bool) or not isinstance(scale_history, int) or scale_history < 0:
+    if isinstance(scale_history, bool) or not isinstance(scale_history, numbers.Integral) or scale_history < 0:
         raise ValueError(f"amp.initialize: scale_history must be an int >= 0, got {scale_history!r}")
+    scale_history = int(scale_history)
 
     props = opt_levels[opt_level](Properties(), low)
     # Apex's order of overrides; each setter validates against the opt level.
