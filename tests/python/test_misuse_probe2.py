@@ -296,6 +296,17 @@ def test_initialize_names_a_tuple(gen):
         amp.initialize((make_model(gen, "cpu"),), opt_level="O2")
 
 
+def test_a_missing_checkpoint_file_is_named_as_missing(gen, tmp_path):
+    """It was a ValueError calling the file "truncated, corrupt, or holding more than tensors"."""
+    model, opt = o2(gen, FusedAdam)
+    before = amp_world([model], [opt])
+    with pytest.raises(FileNotFoundError, match="amp.load_checkpoint_state: cannot open checkpoint .*nope.pt: No such"):
+        amp.load_checkpoint_state(tmp_path / "nope.pt", model, opt)
+    with pytest.raises(ValueError, match="not a mixprec.amp checkpoint .*got bytes; expected its dict, or a path"):
+        amp.load_checkpoint_state(b"\x00", model, opt)
+    assert_same_world(before, amp_world([model], [opt]))
+
+
 def test_reading_the_scale_of_a_disabled_amp_says_why(gen):
     amp.initialize(make_model(gen, "cpu"), enabled=False)
     for read in (amp.loss_scale, amp.scale_history, lambda: amp.skipped_steps(0)):
