@@ -1,6 +1,7 @@
 """How amp.initialize processes an optimizer in place: masters set up (Apex's swap into the
-param groups, or a mixprec fused optimizer's own), and step / zero_grad / add_param_group
-patched as bound methods, so the object stays the user's (isinstance holds)."""
+param groups, or a mixprec fused optimizer's own), and step / zero_grad / add_param_group (and a
+fused optimizer's load_state_dict) patched as bound methods, so the object stays the user's
+(isinstance holds)."""
 
 from __future__ import annotations
 
