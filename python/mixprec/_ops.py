@@ -180,6 +180,9 @@ def _norm_args(call: str, input: torch.Tensor, normalized_shape) -> list[int]:
     as some other error (a str split into digits, a float "not iterable", a sparse layout)."""
     if isinstance(input, torch.Tensor) and input.layout != torch.strided:
         raise ValueError(f"{call}: input must be a dense (strided) tensor, got layout {input.layout}")
+    if isinstance(input, torch.Tensor) and not input.is_floating_point():
+        # Otherwise ATen's kernel lookup answers ("... not implemented for 'Long'").
+        raise TypeError(f"{call}: input has dtype {input.dtype}; expected float32, float16, bfloat16 or float64")
     dims = normalized_shape if isinstance(normalized_shape, Sequence) else [normalized_shape]
     try:
         if isinstance(dims, (str, bytes)) or any(isinstance(d, bool) for d in dims):
@@ -206,6 +209,13 @@ def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
                 else type(scale).__name__)
         raise TypeError(f"mixprec.scale_: scale must be a one-element float32 tensor on the tensors' device, "
                         f"got {what}")
+    if torch.is_grad_enabled():
+        for i, t in enumerate(tensors):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                # The op writes outside autograd (no version bump): a graph that saved the tensor would
+                # compute wrong gradients without a word; torch refuses in-place writes to such leaves.
+                raise RuntimeError(f"mixprec.scale_: tensors[{i}] requires grad while grad mode is on; scale_ writes "
+                                   "in place outside autograd: pass gradients, or call it under torch.no_grad()")
     (tensors,) = local_lists("scale_", (tensors,))
     _ops.non_finite_check_and_unscale_(tensors, None, scale, [], None)
 

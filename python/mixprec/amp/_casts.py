@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections import abc
 from types import MethodType
 from typing import Any, Callable, Iterator, Optional
@@ -80,8 +81,7 @@ def _first_param(module: torch.nn.Module) -> Optional[torch.Tensor]:
     return None
 
 
-def _device_type_of(module: torch.nn.Module, args: tuple, kwargs: dict) -> str:
-    first = _first_param(module)
+def _device_type_of(module: torch.nn.Module, args: tuple, kwargs: dict, first: Optional[torch.Tensor]) -> str:
     if first is not None:
         return first.device.type
     for t in module.buffers():
@@ -106,12 +106,29 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
 
     cast_in = functools.partial(to_type, input_dtype) if input_dtype is not None else None
     cast_out = functools.partial(to_type, output_dtype) if output_dtype is not None else None
+    # The params' dtypes as amp.initialize left them. O2/O3 look at them only when the forward raises
+    # (no cost per call); O1, whose forward would run on with float16 weights and step them without
+    # masters, compares the first param's dtype, which it reads anyway for autocast's device.
+    # Only the same param object counts: FSDP2 swaps in unsharded params of its policy's dtype
+    # around the forward, which is no dtype change (weak: a param replaced must not stay alive).
+    cast_dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    first_param = _first_param(model)
+    first_ref = weakref.ref(first_param) if first_param is not None else None
+    first_dtype = first_param.dtype if first_param is not None else None
 
     def forward(self, *args, **kwargs):
         if cast_in is not None:
             args, kwargs = applier(args, cast_in), applier(kwargs, cast_in)
-        if autocast_dtype is not None:
-            with torch.autocast(_device_type_of(self, args, kwargs), dtype=autocast_dtype):
+            try:
+                output = call(self, *args, **kwargs)
+            except Exception as error:
+                _raise_if_recast(self, cast_dtypes, input_dtype, error)
+                raise
+        elif autocast_dtype is not None:
+            first = _first_param(self)
+            if first is not None and first.dtype != first_dtype and first is first_ref():
+                _raise_if_recast(self, cast_dtypes, None, None)
+            with torch.autocast(_device_type_of(self, args, kwargs, first), dtype=autocast_dtype):
                 output = call(self, *args, **kwargs)
         else:
             output = call(self, *args, **kwargs)
@@ -122,6 +139,29 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
         return applier(output, cast_out)
 
     model.forward = MethodType(forward, model)
+
+
+def _raise_if_recast(model: torch.nn.Module, cast_dtypes: dict, input_dtype: Optional[torch.dtype],
+                     error: Optional[Exception]) -> None:
+    """If a param's dtype is no longer the one amp.initialize left it in (model.float(), .half(),
+    .to(dtype) afterwards), say so: under O2/O3 (``input_dtype`` set) instead of the error the
+    forward raised, torch's dtype mismatch; under O1 before the forward runs on."""
+    for name, p in model.named_parameters():
+        then = cast_dtypes.get(name)
+        if then is not None and p.dtype != then:
+            if input_dtype is not None:
+                why = (f"amp casts this model's inputs to {input_dtype} and keeps the fp32 master weights in the "
+                       "optimizer, so leave the model's dtype as amp.initialize set it (model.state_dict() under "
+                       "O2/O3 already gives float32 values)")
+            else:
+                why = ("under O1 the weights stay as they were and autocast picks each op's precision; "
+                       f"{p.dtype} weights would be stepped without fp32 masters (that is O2), so leave the model's "
+                       "dtype as it was")
+            raise RuntimeError(
+                f"{type(model).__name__}.forward: parameter {name!r} is {p.dtype}, but amp.initialize left it "
+                f"{then}: the model's dtype was changed after amp.initialize (model.float(), .half(), .double() or "
+                f".to(dtype)); {why}; to train in another precision, build the model again and pass it to "
+                "amp.initialize with that opt_level") from error
 
 
 # -- disable_casts and the decorators ------------------------------------------------------------

@@ -206,6 +206,8 @@ def _validate_optimizer(i: int, opt: torch.optim.Optimizer, saved: Any, masters:
 def _read(source: Any, where: str) -> Any:
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as err:  # not a corrupt checkpoint: the OS's error
+        raise type(err)(err.errno, f"{where}: cannot open checkpoint {source}: {err.strerror}") from err
     except Exception as err:  # torch's own message ("negative seek value", ...) does not say what is wrong
         name = source if isinstance(source, (str, os.PathLike)) else type(source).__name__
         raise ValueError(f"{where}: checkpoint {name} could not be read as a torch.save file (truncated, corrupt, "
@@ -226,7 +228,8 @@ def load_checkpoint_state(checkpoint: Any, models, optimizers=None) -> None:
     if isinstance(checkpoint, (str, os.PathLike)) or hasattr(checkpoint, "read"):
         checkpoint = _read(checkpoint, where)
     if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-        raise ValueError(f"{where}: not a mixprec.amp checkpoint (made by amp.checkpoint_state)")
+        raise ValueError(f"{where}: not a mixprec.amp checkpoint (made by amp.checkpoint_state), got "
+                         f"{type(checkpoint).__name__}; expected its dict, or a path or binary file holding it")
     if checkpoint.get("version") != VERSION:
         raise ValueError(f"{where}: checkpoint version {checkpoint.get('version')!r}, this mixprec reads {VERSION}")
     for key in ("opt_level", "dtype", "models", "optimizers", "masters", "amp"):

@@ -3,12 +3,14 @@ accumulation with delay_unscale) and the on-request views of the loss scalers.""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from .._loss_scale import combine_found
 from ..distributed import agree_found_inf_
+from ._grad_marks import stray_message
 from ._optimizer import OPTIMIZER_TYPES
 from ._scaler import LossScaler, _amp_state
 
@@ -19,9 +21,13 @@ def _scaler(loss_id: int) -> LossScaler:
         return scalers[loss_id]
     if not _amp_state.initialized:
         raise RuntimeError("mixprec.amp is not initialized: call amp.initialize(...) first")
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(_amp_state.loss_scalers):
-        raise ValueError(f"loss_id must be an int in [0, num_losses={len(_amp_state.loss_scalers)}), got {loss_id!r}")
-    return _amp_state.loss_scalers[loss_id]
+    if not scalers:
+        raise RuntimeError("mixprec.amp was initialized with enabled=False, which keeps no loss scaler: there is no "
+                           "loss scale, scale history or skipped-step count to read")
+    # Integral: a numpy int from np.arange indexes Apex's list of scalers too.
+    if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral) or not 0 <= loss_id < len(scalers):
+        raise ValueError(f"loss_id must be an int in [0, num_losses={len(scalers)}), got {loss_id!r}")
+    return scalers[int(loss_id)]
 
 
 def scale_loss(loss: torch.Tensor, optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
@@ -102,6 +108,12 @@ class _ScaleLoss:
         if not options["master_weights"] and unit:
             return loss.float()  # nothing to scale, check or copy (fp32, or bf16 without scaling)
 
+        for i, stash in enumerate(stashes):
+            stray = None if stash.params_have_scaled_gradients else stash.stray_gradient()
+            if stray is not None:
+                raise RuntimeError(f"amp.scale_loss: optimizers[{i}] ({type(stash.optimizer).__name__}): "
+                                   f"{stray_message(stray)}, so this block would drop it (nothing was changed). Call "
+                                   "optimizer.zero_grad() first, or backpropagate that loss through amp.scale_loss too")
         # Unscaled gradients already there (an earlier block, or a delayed chain completed early
         # by amp.master_params) are set aside, delay_unscale or not: scaled ones must never be
         # added onto them. They come back when the chain is completed.

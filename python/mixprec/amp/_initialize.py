@@ -38,11 +38,21 @@ def _resolve_dtype(dtype: Optional[torch.dtype], cast_model_type: Any) -> torch.
     return dtype if dtype is not None else torch.float16
 
 
+def _check_flags(**flags: Any) -> None:
+    # Apex tested these for truth, so enabled="False" or master_weights="False" (a config file, an
+    # argparse string) silently meant True; only bools, 0/1 and None (the opt level's value) pass.
+    for name, v in flags.items():
+        if not (v is None or isinstance(v, bool) or (isinstance(v, numbers.Integral) and v in (0, 1))):
+            default = "" if name == "enabled" else " (or None: the opt level's choice)"
+            raise TypeError(f"amp.initialize: {name} must be True or False{default}, got {v!r}")
+
+
 def _check_loss_scale_bounds(min_loss_scale: Any, max_loss_scale: Any) -> None:
     for name, v in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
         if v is None and name == "min_loss_scale":
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        # numbers.Real: numpy scalars too (a sweep's np.float32), not bools.
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"amp.initialize: {name} must be a positive finite number, got {v!r}")
     if min_loss_scale is not None and max_loss_scale < min_loss_scale:
         raise ValueError(f"amp.initialize: max_loss_scale ({max_loss_scale}) < min_loss_scale ({min_loss_scale})")
@@ -97,6 +107,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if isinstance(verbosity, bool) or not isinstance(verbosity, numbers.Integral) or verbosity < 0:
         raise ValueError(f"amp.initialize: verbosity must be an int >= 0 (0 silent, 1 default, 2 verbose), "
                          f"got {verbosity!r}")
+    _check_flags(enabled=enabled, patch_torch_functions=patch_torch_functions, master_weights=master_weights)
     if not enabled:
         # Apex: a disabled amp is an initialized amp whose scale_loss and steps do nothing extra.
         _amp_state.reset(Properties(), int(verbosity), process_group)
@@ -105,16 +116,20 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if opt_level not in opt_levels:
         raise RuntimeError(f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3'.  Note "
                            "that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero.")
-    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
+    if isinstance(num_losses, bool) or not isinstance(num_losses, numbers.Integral) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be a positive int, got {num_losses!r}")
+    num_losses = int(num_losses)  # numpy ints too, as Apex's range(num_losses) took them
     _check_loss_scale_bounds(min_loss_scale, max_loss_scale)
+    min_loss_scale = None if min_loss_scale is None else float(min_loss_scale)
+    max_loss_scale = float(max_loss_scale)
     if cast_model_outputs is not None and cast_model_outputs not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"amp.initialize: cast_model_outputs must be a floating dtype, got {cast_model_outputs!r}")
     low = _resolve_dtype(_fp8.default_dtype(fp8, dtype, cast_model_type), cast_model_type)
     if layer_kernels is not None and not isinstance(layer_kernels, bool):
         raise TypeError(f"amp.initialize: layer_kernels must be True, False or None, got {layer_kernels!r}")
-    if isinstance(scale_history, bool) or not isinstance(scale_history, int) or scale_history < 0:
+    if isinstance(scale_history, bool) or not isinstance(scale_history, numbers.Integral) or scale_history < 0:
         raise ValueError(f"amp.initialize: scale_history must be an int >= 0, got {scale_history!r}")
+    scale_history = int(scale_history)
 
     props = opt_levels[opt_level](Properties(), low)
     # Apex's order of overrides; each setter validates against the opt level.
@@ -224,7 +239,7 @@ def _as_list(value, what: str, cls) -> tuple[list, bool]:
     if isinstance(value, list) and all(isinstance(v, cls) for v in value):
         return value, True
     raise TypeError(f"{what} must be either a single {'model' if what == 'models' else 'optimizer'} or a list of "
-                    f"{what}.")
+                    f"{what}. (amp.initialize: {what} is a {type(value).__name__})")
 
 
 def _check_targets(models: list, optimizers: list, props: Properties) -> None:
@@ -240,6 +255,13 @@ def _check_targets(models: list, optimizers: list, props: Properties) -> None:
                                "DTensors (fully_shard): FSDP2 owns their storage. Use fully_shard(..., mp_policy="
                                "mixprec.distributed.mixed_precision_policy('O2', dtype)) and no amp.initialize; see "
                                "docs/distributed.md")
+        for name, param in model.named_parameters():
+            if param.is_inference():
+                # Otherwise the first scaled step fails inside an op ("Inference tensors do not track
+                # version counter"), after amp cast the model.
+                raise RuntimeError(f"amp.initialize: models[{index}] parameter {name} was created under "
+                                   "torch.inference_mode() and cannot be trained; build the model outside "
+                                   "inference_mode (or replace its parameters with clones made outside it)")
         if _amp_state.allow_incoming_model_not_fp32:
             continue  # Apex's escape hatch for models that arrive in fp16/bf16 on purpose
         for name, param in model.named_parameters():

@@ -15,13 +15,12 @@ from ..apex_compat.larc import LARC
 from .._loss_scale import check_and_unscale_, combine_found
 from .._step_guard import StepGuard
 from ..distributed import agree_found_inf_
+from ._grad_marks import FUSED_MASTERS, PLAIN, SWAP, GradMarks
 from ._scaler import _amp_state
 
 #: What amp takes as an optimizer: torch's, and apex.parallel.LARC, which wraps one without being
 #: one (Apex's initialize, scale_loss and master_params take it too).
 OPTIMIZER_TYPES = (torch.optim.Optimizer, LARC)
-
-PLAIN, SWAP, FUSED_MASTERS = "plain", "swap", "fused_masters"
 
 # Grad mode off around the work on gradients, as torch.no_grad() does (grads made by a
 # create_graph backward require grad), without its decorator's ~10 Python calls per use: these
@@ -62,7 +61,7 @@ def _unscale_into(srcs: list[torch.Tensor], outs: list[torch.Tensor], found: Opt
             b.copy_(tmp)
 
 
-class AmpStash:
+class AmpStash(GradMarks):
     """Per-optimizer amp state (Apex's ``optimizer._amp_stash``).
 
     ``kind``: PLAIN (models are masters: O0, O1, O3), SWAP (O2 with any optimizer that is not a
@@ -96,6 +95,9 @@ class AmpStash:
         # ended. step() and scale_loss refuse until zero_grad() clears them.
         self.poisoned: Optional[str] = None
         self.guard = StepGuard()
+        # SWAP: each model param's gradient as amp last saw it (a weak reference and its version),
+        # so step() can tell a backward outside scale_loss, whose values no master received.
+        self.grad_marks: dict[int, Optional[tuple]] = {}
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -180,6 +182,7 @@ class AmpStash:
         for p in self.low_params:  # SWAP: the model's own params (their values are in the master grads)
             p.grad = None
         stashed.clear()
+        self.note_grads()
 
     def has_sparse_gradient(self) -> bool:
         """Whether any param this stash unscales (the optimizer's, and under SWAP the model's) has
@@ -208,6 +211,7 @@ class AmpStash:
                     if not self.pending:
                         self.pending = True
                         self.grad_scale = scale.clone() if scale is not None else None
+                    self.note_grads()
                     return
                 self.materialized = True  # unscaled fp32 grads were stashed: merge them eagerly
             # Low-precision model grads into fp32 master grads (SWAP, or materialized FUSED_MASTERS).
@@ -233,6 +237,7 @@ class AmpStash:
                 if scale is not None:
                     self.wb_scale = scale.clone() if self.wb_scale is None else torch.minimum(self.wb_scale, scale)
                 self.contributions += 1
+            self.note_grads()
         finally:
             _set_grad_enabled(prev)
 
@@ -267,6 +272,7 @@ class AmpStash:
         self.wb_scale = self.grad_scale
         self.contributions = 1
         self.pending, self.materialized, self.grad_scale = False, True, None
+        self.note_grads()  # the fp32 params' gradients were unscaled in place
 
     # -- the step ---------------------------------------------------------------------------------
     def prepare_step(self) -> Optional[torch.Tensor]:
@@ -324,6 +330,7 @@ class AmpStash:
             for _, m in self.low_pairs():
                 m.grad = None
         self._reset_step()
+        self.note_grads()  # a fused kernel handed amp's scale writes the unscaled gradients back
 
 
 _refresh_suspended = False

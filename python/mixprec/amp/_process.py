@@ -1,6 +1,7 @@
 """How amp.initialize processes an optimizer in place: masters set up (Apex's swap into the
-param groups, or a mixprec fused optimizer's own), and step / zero_grad / add_param_group
-patched as bound methods, so the object stays the user's (isinstance holds)."""
+param groups, or a mixprec fused optimizer's own), and step / zero_grad / add_param_group (and a
+fused optimizer's load_state_dict) patched as bound methods, so the object stays the user's
+(isinstance holds)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from .._step_guard import StepGuard
 from ..optimizers import FusedOptimizer
+from ._grad_marks import stray_message
 from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash
 from ._properties import LOW_DTYPES
 from ._scaler import _amp_state
@@ -19,11 +21,22 @@ from ._scaler import _amp_state
 
 def _patched_step(self, *args: Any, **kwargs: Any):
     stash: AmpStash = self._amp_stash
+    self._opt_called = True  # what torch's LR schedulers' step wrapper records (see below)
     closure = args[0] if args else kwargs.get("closure")
     if closure is not None:
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
     if stash.poisoned:
         raise RuntimeError(stash.poisoned_message(f"{type(self).__name__}.step()"))
+    # SWAP's masters get gradients only from scale_loss; FUSED_MASTERS steps a plain backward's
+    # gradients as they are, but not ones mixed into a block's scaled ones.
+    if stash.unfinished is None and (stash.kind == SWAP or stash.pending or stash.materialized):
+        stray = stash.stray_gradient()
+        if stray is not None:
+            # The masters get gradients only from scale_loss's unscale: stepping would silently
+            # ignore this backward (Apex's step did), or apply a GradScaler's scaled values.
+            raise RuntimeError(f"{type(self).__name__}.step(): {stray_message(stray)}, so this step would ignore "
+                               "it or mix it with scaled values (nothing was stepped). Call optimizer.zero_grad() and "
+                               "backpropagate through amp.scale_loss")
     if stash.fused and ("grad_scale" in self.__dict__ or "found_inf" in self.__dict__) and _amp_scales_losses():
         # A GradScaler (torch's or mixprec's) handed this step its scale: the loss went through
         # both scalers, and one of the two scales would stay in the gradients.
@@ -57,6 +70,11 @@ def _patched_step(self, *args: Any, **kwargs: Any):
     stash.after_step()
     return retval
 
+
+# torch's LR schedulers wrap optimizer.step to learn that it ran, and warn that "optimizer.step()
+# has been overridden" when they find a step without their mark: a scheduler made before
+# amp.initialize warned on every run. amp's step records the call itself and carries the mark.
+_patched_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 _warned: set = set()
 
@@ -104,6 +122,7 @@ def _patched_zero_grad(self, *args: Any, **kwargs: Any):
     stash.pending = stash.materialized = False
     stash.grad_scale = stash.wb_scale = None
     stash.contributions = 0
+    stash.note_grads()
     return retval
 
 
@@ -115,33 +134,70 @@ def _make_master(p: torch.Tensor, originals: dict) -> torch.Tensor:
 
 def _patched_add_param_group(self, param_group: dict):
     stash: AmpStash = self._amp_stash
+    call = f"{type(self).__name__}.add_param_group"
     if not isinstance(param_group, dict):
         raise TypeError("param group must be a dict")
+    if "params" not in param_group:
+        raise KeyError(f"{call}: param_group has no 'params'; expected a dict with the parameters under 'params'")
     params = param_group["params"]
     if isinstance(params, torch.Tensor):
-        param_group["params"] = [params]
+        params = [params]
     elif isinstance(params, set):
         raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering "
                         "of tensors in sets will change between runs. Please use a list instead.")
     else:
-        param_group["params"] = list(params)
+        params = list(params)
     if stash.kind == FUSED_MASTERS and not param_group.get("master_weights", True):
         # O2 keeps fp32 masters for every group (amp set master_weights on all of them); a group
         # stepping its fp16 params directly would leave amp.master_params and checkpoints stale.
-        raise ValueError(f"{type(self).__name__}.add_param_group: param group {len(self.param_groups)}: "
+        raise ValueError(f"{call}: param group {len(self.param_groups)}: "
                          f"invalid master_weights {param_group['master_weights']!r}; expected True under "
                          "amp's O2, which keeps fp32 masters for every param group")
-    if stash.kind == SWAP:
-        for i, p in enumerate(param_group["params"]):
-            if p.requires_grad and p.dtype in LOW_DTYPES:
-                master = _make_master(p, {})
-                param_group["params"][i] = master
-                stash.low_params.append(p)
-                stash.low_masters.append(master)
-                stash.master_ids.add(id(master))
-    retval = stash.orig_add_param_group(param_group)
-    if stash.kind == FUSED_MASTERS:
-        _init_fused_masters(self, self.param_groups[-1], {})
+    if stash.kind != SWAP:
+        param_group["params"] = params
+        retval = stash.orig_add_param_group(param_group)
+        if stash.kind == FUSED_MASTERS:
+            _init_fused_masters(self, self.param_groups[-1], {})
+        return retval
+    # SWAP: the groups hold masters, so torch's own duplicate check cannot see a model param given
+    # again; each would get a second master and the two would overwrite each other's updates.
+    taken = {id(p) for p in stash.low_params}
+    taken.update(id(p) for group in self.param_groups for p in group["params"])
+    low, masters = [], []
+    for i, p in enumerate(params):
+        if id(p) in taken:
+            raise ValueError(f"{call}: params[{i}] is already optimized by this optimizer (amp's O2 keeps its fp32 "
+                             "master in the param groups); some parameters appear in more than one parameter group")
+        taken.add(id(p))
+        if isinstance(p, torch.Tensor) and p.requires_grad and p.dtype in LOW_DTYPES:
+            low.append((i, p))
+    swapped = list(params)
+    for i, p in low:
+        swapped[i] = _make_master(p, {})
+        masters.append(swapped[i])
+    param_group["params"] = swapped
+    try:
+        retval = stash.orig_add_param_group(param_group)
+    except BaseException:
+        param_group["params"] = params  # refused: the caller's group and amp's stash are as they were
+        raise
+    stash.low_params.extend(p for _, p in low)
+    stash.low_masters.extend(masters)
+    stash.master_ids.update(id(m) for m in masters)
+    return retval
+
+
+def _patched_load_state_dict(self, state_dict: dict):
+    """O2 with a fused optimizer: a checkpoint saved without masters (at O0, O1 or O3, or by an
+    optimizer that never went through amp) loads with master_weights=False in its groups, which
+    would step the fp16 params directly; amp keeps its masters on, started from the model's
+    values as Apex's were."""
+    stash: AmpStash = self._amp_stash
+    retval = stash.orig_load_state_dict(state_dict)
+    if not all(group["master_weights"] for group in self.param_groups):
+        self.master_weights = True
+        for group in self.param_groups:
+            _init_fused_masters(self, group, {})
     return retval
 
 
@@ -187,10 +243,14 @@ def process_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool, or
         optimizer.master_weights = True
         for group in optimizer.param_groups:
             _init_fused_masters(optimizer, group, originals)
+    stash.note_grads()  # gradients from before initialize are dropped by the first block, as in Apex
     optimizer._amp_stash = stash
     stash.orig_step = optimizer.step
     stash.orig_zero_grad = optimizer.zero_grad
     stash.orig_add_param_group = optimizer.add_param_group
+    if kind == FUSED_MASTERS:
+        stash.orig_load_state_dict = optimizer.load_state_dict
+        optimizer.load_state_dict = MethodType(_patched_load_state_dict, optimizer)
     # Bound methods (not closures), so that torch's LR schedulers can wrap step() as usual.
     optimizer.step = MethodType(_patched_step, optimizer)
     optimizer.zero_grad = MethodType(_patched_zero_grad, optimizer)

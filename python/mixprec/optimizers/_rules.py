@@ -32,12 +32,18 @@ def _lr_ok(x: Any) -> bool:
     if x is required:  # torch.optim's own add_param_group reports a missing lr
         return True
     if isinstance(x, torch.Tensor):
-        # The op reads one float32 element on the device; its value is the scheduler's business.
-        return x.numel() == 1 and x.is_floating_point()
+        if x.numel() != 1 or not x.is_floating_point() or x.device.type == "meta":
+            return False
+        # torch.optim refuses a NaN or negative tensor lr; on the CPU the value costs nothing to
+        # read. On a GPU reading it would sync every step: the op reads it there as it is.
+        if x.device.type != "cpu":
+            return True
+        value = x.item()
+        return _finite(value) and value >= 0
     return _finite(x) and x >= 0
 
 
-LR = Rule(_lr_ok, "a finite number >= 0 or a one-element floating-point tensor")
+LR = Rule(_lr_ok, "a finite number >= 0, or a one-element floating-point tensor (not on the meta device) holding one")
 NON_NEGATIVE = Rule(lambda x: _finite(x) and x >= 0, "a finite number >= 0")
 FINITE = Rule(_finite, "a finite number")
 # 0 and inf both turn LAMB's clipping off; NaN is never meant.
