@@ -114,6 +114,8 @@ class GradScaler(ScalerStateFront):
                  backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True, *,
                  hysteresis: int = 1, min_scale: Optional[float] = None, max_scale: Optional[float] = None,
                  sync_skip: Optional[bool] = None, history_size: int = 0, process_group: Any = None) -> None:
+        if isinstance(enabled, str):  # "False" from a config or argparse is truthy: it would scale
+            raise TypeError(f"GradScaler: invalid enabled {enabled!r}; expected a bool (a string is always true)")
         self._device = device
         self._enabled = enabled
         self._process_group = process_group

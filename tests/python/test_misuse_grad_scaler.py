@@ -89,6 +89,7 @@ BAD_CONSTRUCTOR = [
     ({"max_scale": 1024.0}, "init_scale"),  # the default 2**16 above it
     ({"min_scale": 2.0**17}, "init_scale"), ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 6.0}, "max_scale"),
     ({"history_size": -1}, "history_size"),
+    *[({"enabled": v}, "enabled") for v in ("False", "0", "")],  # a config string: "False" is truthy
 ]
 
 
@@ -114,6 +115,8 @@ def test_constructor_accepts_what_torch_accepts():
         ours, theirs = GradScaler("cpu", **kwargs), torch.amp.GradScaler("cpu", **kwargs)
         assert ours.state_dict()["scale"] == theirs.state_dict()["scale"]
         assert ours.get_growth_interval() == theirs.get_growth_interval()
+    for enabled in (0, 1, np.bool_(True), np.bool_(False)):  # e.g. enabled=args.fp16 from an int flag
+        assert GradScaler("cpu", enabled=enabled).is_enabled() == torch.amp.GradScaler("cpu", enabled=enabled).is_enabled()
 
 
 # ---- scale, unscale_, step ----------------------------------------------------------------------
