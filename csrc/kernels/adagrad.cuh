@@ -26,6 +26,7 @@ struct AdagradOp {
     float* sum = chunk_ptr<float>(table, ctx, kAdagradStateSum);
     float* master = chunk_ptr<float>(table, ctx, kAdagradMaster);
     const int n = ctx.n;
+    const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float g[Ilp][N], w[Ilp][N], h[Ilp][N];
@@ -33,8 +34,7 @@ struct AdagradOp {
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
+        load_weight<false, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load<float, N>(sum, i, n, vec, h[u]);
       }
       if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
@@ -45,8 +45,7 @@ struct AdagradOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+        store_weight<false, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         store<float, N>(sum, i, n, vec, h[u]);
       }
     });

@@ -29,6 +29,7 @@ template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp 
     TS* max_exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamMaxExpAvgSq);
     float* master = chunk_ptr<float>(table, ctx, kAdamMaster);
     const int n = ctx.n;
+    const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float g[Ilp][N], w[Ilp][N], m[Ilp][N], v[Ilp][N], vm[Ilp][N];
@@ -36,8 +37,7 @@ template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp 
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load_packed<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load_packed<float, N>(master, i, n, vec, w[u]);
-        else load_packed<TP, N>(param, i, n, vec, w[u]);
+        load_weight<true, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load_packed<TS, N>(exp_avg, i, n, vec, m[u]);
         load_packed<TS, N>(exp_avg_sq, i, n, vec, v[u]);
         if (p.amsgrad) load_packed<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
@@ -50,8 +50,7 @@ template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp 
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store_packed<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store_packed<float, N>(master, i, n, vec, w[u]);
+        store_weight<true, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         store_packed<TS, N>(exp_avg, i, n, vec, m[u]);
         store_packed<TS, N>(exp_avg_sq, i, n, vec, v[u]);
         if (p.amsgrad) store_packed<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);

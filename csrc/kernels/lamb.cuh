@@ -34,6 +34,7 @@ struct LambMomentsOp {
     float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
     float* master = chunk_ptr<float>(table, ctx, kLambMaster);
     const int n = ctx.n;
+    [[maybe_unused]] const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     float w_sq = 0.f, u_sq = 0.f;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
@@ -42,8 +43,7 @@ struct LambMomentsOp {
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
+        load_weight<false, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load<float, N>(exp_avg, i, n, vec, m[u]);
         load<float, N>(exp_avg_sq, i, n, vec, v[u]);
       }
@@ -68,8 +68,7 @@ struct LambMomentsOp {
         store<float, N>(exp_avg, i, n, vec, m[u]);
         store<float, N>(exp_avg_sq, i, n, vec, v[u]);
         if constexpr (Apply) {
-          store<TP, N>(param, i, n, vec, w[u]);
-          if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+          store_weight<false, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         }
       }
     });
@@ -99,14 +98,14 @@ template <typename TP> struct LambApplyOp {
     const float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
     float* master = chunk_ptr<float>(table, ctx, kLambMaster);
     const int n = ctx.n;
+    const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float w[Ilp][N], m[Ilp][N], v[Ilp][N];
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
+        load_weight<false, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load<float, N>(exp_avg, i, n, vec, m[u]);
         load<float, N>(exp_avg_sq, i, n, vec, v[u]);
       }
@@ -117,8 +116,7 @@ template <typename TP> struct LambApplyOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+        store_weight<false, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
       }
     });
   }

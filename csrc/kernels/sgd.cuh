@@ -29,6 +29,7 @@ template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
     // saves that read and never sees what the buffer held.
     const bool read_momentum = c.use_momentum && !c.first_step;
     const int n = ctx.n;
+    const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float g[Ilp][N], w[Ilp][N], m[Ilp][N];
@@ -36,8 +37,7 @@ template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
+        load_weight<false, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         if (read_momentum) load<float, N>(momentum, i, n, vec, m[u]);
         else
 #pragma unroll
@@ -51,8 +51,7 @@ template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+        store_weight<false, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         if (c.use_momentum) store<float, N>(momentum, i, n, vec, m[u]);
       }
     });
