@@ -224,3 +224,51 @@ def test_op_steps_fp32_masters_and_remainders_in_one_call(gen):
     assert_bitwise_equal(_lean.rebuild(ps[1], masters[1]), ref[1], "remainder master")
     assert_bitwise_equal(ps[0], rne_bf16(ref[0]), "rounded copy")
     assert_bitwise_equal(ps[1], _lean.split(ref[1])[0], "remainder's weight")
+
+
+# ---- amp: O2 with bf16 weights and remainder masters --------------------------------------------
+
+def test_amp_o2_keeps_remainders_split_from_the_fp32_weights(gen):
+    from mixprec import amp
+    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3))
+    originals = [p.detach().clone() for p in model.parameters()]
+    opt = mixprec.optimizers.FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                                master_weights="remainder", verbosity=0)
+    params = list(model.parameters())
+    assert opt.master_weights == "remainder"
+    # The masters are the fp32 weights from before the cast, bit for bit, in 2 bytes each.
+    for p, original in zip(params, originals):
+        assert p.dtype == torch.bfloat16 and set(opt.state[p]) >= {_lean.REMAINDER}
+        assert "master_param" not in opt.state[p]
+        assert_bitwise_equal(_lean.rebuild(p, opt.state[p][_lean.REMAINDER]), original, "master")
+    # Steps through amp's loss scaling, against a plain fp32-master optimizer with the same masters.
+    ref_params = clones(params)
+    reference = mixprec.optimizers.FusedAdam(ref_params, lr=1e-2, master_weights=True)
+    for p, original in zip(ref_params, originals):
+        reference._init_param_state(p, reference.param_groups[0])
+        reference.state[p]["master_param"].copy_(original)
+    x = torch.randn(5, 9, generator=gen).bfloat16()
+    for step in range(4):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        for p, r in zip(params, ref_params):
+            r.grad = p.grad.clone()  # the unscaled grads amp's step hands to the kernel
+        opt.step()
+        reference.step()
+        assert_same_masters(masters_and_weights(reference, ref_params), masters_and_weights(opt, params),
+                            f"amp step {step}")
+
+
+def test_amp_refuses_remainders_it_cannot_keep():
+    from mixprec import amp
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="master_weights='remainder' needs cast_model_type=torch.bfloat16"):
+        amp.initialize(model, mixprec.optimizers.FusedAdam(model.parameters()), opt_level="O2",
+                       master_weights="remainder", verbosity=0)
+    assert model.weight.dtype == torch.float32  # refused before the cast
+    with pytest.raises(ValueError, match="needs mixprec fused optimizers; optimizer 0 is SGD"):
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                       cast_model_type=torch.bfloat16, master_weights="remainder", verbosity=0)
+    assert model.weight.dtype == torch.float32
