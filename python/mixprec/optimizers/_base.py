@@ -229,8 +229,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
         for group, params, scalars in calls[1:]:
             self._step_group(group, params, **scalars)
-        for group, params, _ in calls:
-            _lean.settle(self, group, params)
+        _lean.settle(self, [(group, params) for group, params, _ in calls])
         return loss
 
     # -- helpers for subclasses --------------------------------------------------------------

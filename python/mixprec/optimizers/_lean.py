@@ -27,10 +27,10 @@ REMAINDER = "master_remainder"
 def check_params(owner: str, group: dict, params: Any, where: str) -> None:
     """The dtypes the group's weight options need: bfloat16 params under master_weights='remainder';
     no float16 ones under rounding='stochastic' (it rounds to bfloat16; float32 stays exact)."""
-    if not isinstance(params, (list, tuple)):
-        return
     remainder = group.get("master_weights") == "remainder"
     stochastic = group.get("rounding") == "stochastic"
+    if not (remainder or stochastic) or not isinstance(params, (list, tuple)):
+        return  # the common case, on every step: no loop over the params
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             continue
@@ -44,11 +44,19 @@ def check_params(owner: str, group: dict, params: Any, where: str) -> None:
 def op_args(optimizer: Any, params: list[torch.Tensor], group: dict) -> dict:
     """The op's weight arguments for `group`: one master per param (fp32, or an int16 remainder;
     an fp32 param is its own) or none, and the rounding."""
-    masters = []
-    if group["master_weights"]:
+    masters, mode, pending = [], group["master_weights"], False
+    if mode:
         for p in params:
             state = optimizer.state[p]
-            masters.append(state[REMAINDER] if REMAINDER in state else state.get("master_param", p))
+            if REMAINDER in state:
+                masters.append(state[REMAINDER])
+                pending |= mode != "remainder"
+            else:
+                master = state.get("master_param", p)
+                masters.append(master)
+                pending |= mode == "remainder" and master is not p
+    if pending:  # a master in the other form (a checkpoint's, a switched option): settle() after the step
+        optimizer._lean_pending = True
     return dict(master_params=masters, stochastic_rounding=group["rounding"] == "stochastic", seed=group["seed"])
 
 
@@ -86,10 +94,19 @@ def _as16(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def settle(optimizer: Any, group: dict, params: list[torch.Tensor]) -> None:
+def settle(optimizer: Any, stepped: list[tuple[dict, list[torch.Tensor]]]) -> None:
     """After a step, gives each master the form its group keeps: the op steps fp32 masters and
     remainders alike, so a checkpoint of either form (or a switched master_weights) resumes
-    exactly, and here changes form once the params surely hold their weights."""
+    exactly, and here changes form once the params surely hold their weights. Only after
+    op_args saw a master of the other form: an ordinary step pays nothing here."""
+    if not getattr(optimizer, "_lean_pending", False):
+        return
+    optimizer._lean_pending = False
+    for group, params in stepped:
+        _settle_group(optimizer, group, params)
+
+
+def _settle_group(optimizer: Any, group: dict, params: list[torch.Tensor]) -> None:
     mode = group["master_weights"]
     for p in params:
         state = optimizer.state[p]
