@@ -272,3 +272,18 @@ def test_amp_refuses_remainders_it_cannot_keep():
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
                        cast_model_type=torch.bfloat16, master_weights="remainder", verbosity=0)
     assert model.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("corrupt", ["dtype", "shape"])
+def test_corrupt_remainders_are_refused_and_loading_changes_nothing(corrupt, gen):
+    params = make_params(gen, "cpu", [(6,), (4,)])
+    opt = FAMILIES["adam"](params, "remainder")
+    step_all((opt,), set_grads(gen, 0, (params,), "cpu", False), False, "cpu")
+    saved = opt.state_dict()
+    bad = saved["state"][1][_lean.REMAINDER]
+    saved["state"][1][_lean.REMAINDER] = bad.float() if corrupt == "dtype" else bad[:2]
+    before = snapshot([opt.state[p][_lean.REMAINDER] for p in params] + params)
+    expected = "expected an int16 tensor" if corrupt == "dtype" else r"has shape \(2,\); expected the parameter's \(4,\)"
+    with pytest.raises(ValueError, match=r"FusedAdam.load_state_dict: state\[1\]\['master_remainder'\] .*" + expected):
+        opt.load_state_dict(saved)
+    assert_unchanged(before, [opt.state[p][_lean.REMAINDER] for p in params] + params)
