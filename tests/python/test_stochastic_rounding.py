@@ -214,3 +214,22 @@ def test_float32_params_in_a_stochastic_group_are_exact(gen):
     sgd([p32], seed=3).step()
     mixprec.optimizers.FusedSGD([ref], lr=1.0).step()
     assert_bitwise_equal(p32.detach(), ref.detach(), "fp32 param")
+
+
+def test_a_skipped_step_changes_nothing_and_the_next_rounds_as_its_count_says(gen):
+    p = torch.randn(777, generator=gen).bfloat16().requires_grad_()
+    opt = sgd([p], seed=5)
+    g = (torch.randn(777, generator=gen) * 2.0**-9).bfloat16()
+    g[3] = float("inf")
+    p.grad = g.clone()
+    before = snapshot([p])
+    opt.found_inf = torch.ones(1)
+    opt.step()
+    assert_unchanged(before, [p])
+    assert float(opt.param_groups[0]["step"]) == 0
+    opt.found_inf = torch.zeros(1)
+    g[3] = 0.0
+    p.grad = g.clone()
+    expected = reference_round(p.detach().float() - g.float(), 5, 1, 0)
+    opt.step()
+    assert_bitwise_equal(p.detach(), expected, "first counted step")
