@@ -8,7 +8,7 @@
 
 namespace mixprec::kernels {
 
-// TP: model param storage, TG: grad storage; the sum and the master are float32.
+// TP: model param storage, TG: grad storage; the sum is float32, the master float32 or a remainder.
 template <typename TP, typename TG, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct AdagradOp {
   AdagradParams p;
@@ -24,7 +24,7 @@ struct AdagradOp {
     TP* param = chunk_ptr<TP>(table, ctx, kAdagradParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kAdagradGrad);
     float* sum = chunk_ptr<float>(table, ctx, kAdagradStateSum);
-    float* master = chunk_ptr<float>(table, ctx, kAdagradMaster);
+    void* master = master_chunk(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
     const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;

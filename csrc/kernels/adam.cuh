@@ -27,7 +27,7 @@ template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp 
     TS* exp_avg = chunk_ptr<TS>(table, ctx, kAdamExpAvg);
     TS* exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamExpAvgSq);
     TS* max_exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamMaxExpAvgSq);
-    float* master = chunk_ptr<float>(table, ctx, kAdamMaster);
+    void* master = master_chunk(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
     const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;

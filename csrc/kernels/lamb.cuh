@@ -16,9 +16,10 @@ template <typename TP, typename TG> struct LambShape {
   static constexpr int Ilp = 1;
 };
 
-// Pass 1. TP: model param storage, TG: grad storage; moments and masters are float32. Apply:
-// the one-pass step (no trust ratio), a template argument so that each variant keeps only the
-// registers it needs (the two-pass one neither writes weights nor needs lr).
+// Pass 1. TP: model param storage, TG: grad storage; moments float32, masters float32 or
+// remainders (WeightMode). Apply: the one-pass step (no trust ratio), a template argument so that
+// each variant keeps only the registers it needs (the two-pass one neither writes weights nor
+// needs lr).
 template <typename TP, typename TG, bool Apply, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct LambMomentsOp {
   LambParams p;
@@ -32,7 +33,7 @@ struct LambMomentsOp {
     TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
     float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
-    float* master = chunk_ptr<float>(table, ctx, kLambMaster);
+    void* master = master_chunk(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
     [[maybe_unused]] const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
@@ -96,7 +97,7 @@ template <typename TP> struct LambApplyOp {
     TP* param = chunk_ptr<TP>(table, ctx, kLambParam);
     const float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     const float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
-    float* master = chunk_ptr<float>(table, ctx, kLambMaster);
+    void* master = master_chunk(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
     const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;

@@ -21,7 +21,8 @@ __global__ void __launch_bounds__(kNovoGradMomentThreads) novograd_moment_kernel
                                           novograd_seeds(p.scalars, p.args.init_zero));
 }
 
-// TP: model param storage, TG: grad storage; the first moment and the master are float32.
+// TP: model param storage, TG: grad storage; the first moment is float32, the master float32 or a
+// remainder.
 template <typename TP, typename TG, bool kStoreGrad>  // kStoreGrad: as AdamOp
 struct NovoGradOp {
   NovoGradParams p;
@@ -45,7 +46,7 @@ struct NovoGradOp {
     TP* param = chunk_ptr<TP>(table, ctx, kNovoGradParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kNovoGradGrad);
     float* exp_avg = chunk_ptr<float>(table, ctx, kNovoGradExpAvg);
-    float* master = chunk_ptr<float>(table, ctx, kNovoGradMaster);
+    void* master = master_chunk(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
     const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;

@@ -50,8 +50,8 @@ __device__ __forceinline__ void store_bits16(uint16_t* p, int64_t i, int n, bool
 #pragma unroll
       for (int k = 0; k < N / 8; ++k) {
         const uint16_t* q = b + 8 * k;
-        dst[k] = make_uint4(q[0] | (uint32_t{q[1]} << 16), q[2] | (uint32_t{q[3]} << 16), q[4] | (uint32_t{q[5]} << 16),
-                            q[6] | (uint32_t{q[7]} << 16));
+        __stwb(dst + k, make_uint4(q[0] | (uint32_t{q[1]} << 16), q[2] | (uint32_t{q[3]} << 16),
+                                   q[4] | (uint32_t{q[5]} << 16), q[6] | (uint32_t{q[7]} << 16)));
       }
       return;
     }
@@ -61,22 +61,30 @@ __device__ __forceinline__ void store_bits16(uint16_t* p, int64_t i, int n, bool
     if (i + j < n) p[i + j] = b[j];
 }
 
+// The chunk's master pointer: float32 elements, or 16-bit remainders (offset by their own size).
+template <int NLists>
+__device__ __forceinline__ void* master_chunk(const WeightMode& m, const TensorTable<NLists>& table,
+                                              const ChunkCtx& ctx) {
+  if (m.remainder) return chunk_ptr<uint16_t>(table, ctx, m.master_list);
+  return chunk_ptr<float>(table, ctx, m.master_list);
+}
+
 // The fp32 weights of elements i.. of the chunk: the master (fp32, or rebuilt from the bf16
 // param and its remainder; bf16 -> float is a shift, so every bit pattern arrives intact).
 template <bool kPacked, typename TP, int N>
-__device__ __forceinline__ void load_weight(const WeightMode& m, const TP* param, const float* master, int64_t i, int n,
+__device__ __forceinline__ void load_weight(const WeightMode& m, const TP* param, const void* master, int64_t i, int n,
                                             bool vec, float (&w)[N]) {
   if constexpr (std::is_same_v<TP, __nv_bfloat16>) {
     if (m.remainder) {
       float low[N];
       load_as<kPacked, TP, N>(param, i, n, vec, w);
-      load_as<kPacked, TP, N>(reinterpret_cast<const TP*>(master), i, n, vec, low);
+      load_as<kPacked, TP, N>(static_cast<const TP*>(master), i, n, vec, low);
 #pragma unroll
       for (int j = 0; j < N; ++j) w[j] = rebuild_master(float_bits(w[j]) >> 16, float_bits(low[j]) >> 16);
       return;
     }
   }
-  if (m.has_master) load_as<kPacked, float, N>(master, i, n, vec, w);
+  if (m.has_master) load_as<kPacked, float, N>(static_cast<const float*>(master), i, n, vec, w);
   else load_as<kPacked, TP, N>(param, i, n, vec, w);
 }
 
@@ -88,7 +96,7 @@ __device__ __forceinline__ uint32_t chunk_rounding_key(const WeightMode& m, cons
 // The updated weights back, as store_weights does on the CPU; `first` is element i's index in
 // its tensor minus i (ctx.begin), which the stochastic rounding hashes.
 template <bool kPacked, typename TP, int N>
-__device__ __forceinline__ void store_weight(const WeightMode& m, uint32_t key, int64_t first, TP* param, float* master,
+__device__ __forceinline__ void store_weight(const WeightMode& m, uint32_t key, int64_t first, TP* param, void* master,
                                              int64_t i, int n, bool vec, const float (&w)[N]) {
   if constexpr (std::is_same_v<TP, __nv_bfloat16>) {
     if (m.remainder || m.stochastic) {
@@ -99,12 +107,12 @@ __device__ __forceinline__ void store_weight(const WeightMode& m, uint32_t key, 
         else high[j] = bf16_round_stochastic(w[j], rounding_bits(key, first + i + j));
       }
       store_bits16<N>(reinterpret_cast<uint16_t*>(param), i, n, vec, high);
-      if (m.remainder) store_bits16<N>(reinterpret_cast<uint16_t*>(master), i, n, vec, low);
+      if (m.remainder) store_bits16<N>(static_cast<uint16_t*>(master), i, n, vec, low);
       return;
     }
   }
   store_as<kPacked, TP, N>(param, i, n, vec, w);
-  if (m.has_master) store_as<kPacked, float, N>(master, i, n, vec, w);
+  if (m.has_master) store_as<kPacked, float, N>(static_cast<float*>(master), i, n, vec, w);
 }
 
 // Calls f(std::bool_constant<stores_unscaled_grads(s)>{}): the kernel instance for the step.

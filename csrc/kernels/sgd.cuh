@@ -8,7 +8,8 @@
 
 namespace mixprec::kernels {
 
-// TP: model param storage, TG: grad storage; momentum and master are float32. kStoreGrad: as AdamOp.
+// TP: model param storage, TG: grad storage; momentum is float32, the master float32 or a
+// remainder (WeightMode). kStoreGrad: as AdamOp.
 template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
   SgdParams p;
 
@@ -24,7 +25,7 @@ template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
     TP* param = chunk_ptr<TP>(table, ctx, kSgdParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kSgdGrad);
     float* momentum = chunk_ptr<float>(table, ctx, kSgdMomentum);
-    float* master = chunk_ptr<float>(table, ctx, kSgdMaster);
+    void* master = master_chunk(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     // The first step overwrites the buffer without reading it (torch.optim.SGD's semantics), so it
     // saves that read and never sees what the buffer held.
     const bool read_momentum = c.use_momentum && !c.first_step;
