@@ -105,6 +105,24 @@ def test_remainder_run_is_the_fp32_master_run_bit_for_bit(family, device, gen):
         assert lean.state[p][_lean.REMAINDER].dtype == torch.int16
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_remainders_of_tensors_past_one_chunk(family, device, gen):
+    # Chunks past the first (65536 elements) find their remainders at their own offsets.
+    shapes = [(2 * 65536 + 5,), (3, 23000)]
+    params = make_params(gen, device, shapes)
+    lean_params = clones(params)
+    reference, lean = FAMILIES[family](params, True), FAMILIES[family](lean_params, "remainder")
+    for step in range(3):
+        for p, q in zip(params, lean_params):
+            p.grad = torch.randn(p.shape, generator=gen).to(device=device, dtype=p.dtype)
+            q.grad = p.grad.clone()
+        reference.step()
+        lean.step()
+        assert_same_masters(masters_and_weights(reference, params), masters_and_weights(lean, lean_params),
+                            f"{family} step {step}")
+
+
 def test_split_and_rebuild_are_exact_over_every_low_half(gen):
     # Every 16-bit low half under random high halves, the ties, signs, subnormals, infinities.
     high = torch.randint(0, 2**16, (2**16,), generator=gen, dtype=torch.int64)
