@@ -20,7 +20,8 @@ using mixprec::test::api::save_to_string;
 // The fp32 master that (bf16 weight, int16 remainder) hold (kernels/optim_common.h's rebuild).
 at::Tensor rebuild(const at::Tensor& weight, const at::Tensor& remainder) {
   const at::Tensor low = remainder.cpu().to(at::kLong).bitwise_and(0xFFFF);
-  const at::Tensor high = weight.detach().cpu().view(at::kShort).to(at::kLong).bitwise_and(0xFFFF) - low.gt(0x8000);
+  const at::Tensor high =
+      weight.detach().cpu().view(at::kShort).to(at::kLong).bitwise_and(0xFFFF) - low.gt(0x8000).to(at::kLong);
   at::Tensor b = high.bitwise_left_shift(16).bitwise_or(low).bitwise_and(0xFFFFFFFFLL);
   b = at::where(b.ge(int64_t{1} << 31), b - (int64_t{1} << 32), b);
   return b.to(at::kInt).view(at::kFloat);
