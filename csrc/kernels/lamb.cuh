@@ -20,7 +20,7 @@ template <typename TP, typename TG> struct LambShape {
 // remainders (WeightMode). Apply: the one-pass step (no trust ratio), a template argument so that
 // each variant keeps only the registers it needs (the two-pass one neither writes weights nor
 // needs lr).
-template <typename TP, typename TG, bool Apply, bool kStoreGrad>  // kStoreGrad: as AdamOp
+template <typename TP, typename TG, bool Apply, bool kStoreGrad, int kPath>  // kStoreGrad, kPath: as AdamOp
 struct LambMomentsOp {
   LambParams p;
 
@@ -33,9 +33,10 @@ struct LambMomentsOp {
     TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
     float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
-    void* master = master_chunk(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
+    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
-    [[maybe_unused]] const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
+    [[maybe_unused]] const uint32_t key =
+        chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     float w_sq = 0.f, u_sq = 0.f;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
@@ -44,7 +45,7 @@ struct LambMomentsOp {
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load<TG, N>(grad, i, n, vec, g[u]);
-        load_weight<false, TP, N>(p.weights, param, master, i, n, vec, w[u]);
+        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load<float, N>(exp_avg, i, n, vec, m[u]);
         load<float, N>(exp_avg_sq, i, n, vec, v[u]);
       }
@@ -69,7 +70,7 @@ struct LambMomentsOp {
         store<float, N>(exp_avg, i, n, vec, m[u]);
         store<float, N>(exp_avg_sq, i, n, vec, v[u]);
         if constexpr (Apply) {
-          store_weight<false, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
+          store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         }
       }
     });
@@ -85,7 +86,7 @@ struct LambMomentsOp {
 };
 
 // Pass 2: reads the new moments and the weight, never the gradient.
-template <typename TP> struct LambApplyOp {
+template <typename TP, int kPath> struct LambApplyOp {
   LambParams p;
 
   __device__ void operator()(const TensorTable<kLambLists>& table, const ChunkCtx& ctx) const {
@@ -97,16 +98,16 @@ template <typename TP> struct LambApplyOp {
     TP* param = chunk_ptr<TP>(table, ctx, kLambParam);
     const float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     const float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
-    void* master = master_chunk(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
+    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
-    const uint32_t key = chunk_rounding_key(p.weights, p.scalars, ctx);  // stochastic rounding only
+    const uint32_t key = chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float w[Ilp][N], m[Ilp][N], v[Ilp][N];
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        load_weight<false, TP, N>(p.weights, param, master, i, n, vec, w[u]);
+        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load<float, N>(exp_avg, i, n, vec, m[u]);
         load<float, N>(exp_avg_sq, i, n, vec, v[u]);
       }
@@ -117,7 +118,7 @@ template <typename TP> struct LambApplyOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store_weight<false, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
+        store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
       }
     });
   }
