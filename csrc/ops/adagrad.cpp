@@ -17,7 +17,8 @@ void adagrad_impl(const AdagradInputs& in, const AdagradRunners& run, bool valid
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
   // The step count only enters through lr_decay.
-  const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, /*needs_step=*/a.lr_decay != 0 || a.stochastic_rounding);
+  const kernels::StepScalars scalars =
+      step_scalars(kOp, device, in.step, /*needs_step=*/a.lr_decay != 0 || a.stochastic_rounding);
 
   const NamedList param_list{"params", in.params}, sum_list{"state_sums", in.state_sums};
   const WeightLists weights =

@@ -27,7 +27,8 @@ void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
   // The step count only decides whether this is momentum's first step.
-  const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, /*needs_step=*/use_momentum || a.stochastic_rounding);
+  const kernels::StepScalars scalars =
+      step_scalars(kOp, device, in.step, /*needs_step=*/use_momentum || a.stochastic_rounding);
 
   const NamedList param_list{"params", in.params};
   const WeightLists weights =
