@@ -168,7 +168,9 @@ std::vector<at::Tensor> FusedOptimizer::master_params() const {
     for (const auto& p : g.params()) {
       const auto it = state_.find(p.unsafeGetTensorImpl());
       const auto* s = it == state_.end() ? nullptr : dynamic_cast<const FusedParamState*>(it->second.get());
-      out.push_back(s != nullptr && s->master_param().defined() ? s->master_param() : p);
+      // A remainder (int16) is no fp32 master: the bf16 param stands for it, as fp32 params do.
+      const bool fp32 = s != nullptr && s->master_param().defined() && s->master_param().scalar_type() == at::kFloat;
+      out.push_back(fp32 ? s->master_param() : p);
     }
   }
   return out;
@@ -195,8 +197,12 @@ void FusedOptimizer::set_master(const at::Tensor& param, const at::Tensor& maste
 
 void FusedOptimizer::ensure_state(const at::Tensor& p, const FusedOptions& options) {
   FusedParamState& s = state_of(p);
-  if (options.uses_master_weights() && p.scalar_type() != at::kFloat && !s.master_param().defined())
-    s.master_param(p.detach().to(at::kFloat, false, /*copy=*/true, at::MemoryFormat::Preserve));
+  if (options.uses_master_weights() && p.scalar_type() != at::kFloat && !s.master_param().defined()) {
+    // A zero remainder: the master is exactly the bf16 param (check_step_inputs: bf16 only).
+    s.master_param(options.uses_master_remainder()
+                       ? state_zeros(p, at::kShort)
+                       : p.detach().to(at::kFloat, false, /*copy=*/true, at::MemoryFormat::Preserve));
+  }
   init_param_state(p, options, s);
 }
 
@@ -220,6 +226,10 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
     const at::Tensor& g = p.grad();
     TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
                      "; expected float32, float16 or bfloat16");
+    TORCH_CHECK_VALUE(
+        !options.uses_master_weights() || !options.uses_master_remainder() || p.scalar_type() == at::kBFloat16,
+        param_where(name_, index, j), " is ", p.scalar_type(),
+        ": master_remainder needs bfloat16 params (put others in a group of their own)");
     TORCH_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
                       detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
                       ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "

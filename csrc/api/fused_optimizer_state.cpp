@@ -65,9 +65,17 @@ at::Tensor FusedOptimizer::checked_state_tensor(const std::string& where, const 
 
 at::Tensor FusedOptimizer::checked_slot(const std::string& where, const std::string& key, const at::Tensor& value,
                                         const at::Tensor& param, const FusedOptions& options) const {
-  TORCH_CHECK_TYPE(value.is_floating_point(), where, " must be a floating-point tensor, got ", value.scalar_type());
+  // A master may be an int16 remainder of a bf16 param (master_remainder); the op steps either.
+  const bool remainder = key == "master_param" && value.scalar_type() == at::kShort;
+  TORCH_CHECK_TYPE(value.is_floating_point() || remainder, where, " must be a floating-point tensor, got ",
+                   value.scalar_type());
   TORCH_CHECK_VALUE(value.sizes() == param.sizes(), where, " has shape ", detail::shape(value.sizes()),
                     " but the parameter has ", detail::shape(param.sizes()));
+  if (remainder) {
+    TORCH_CHECK_TYPE(param.scalar_type() == at::kBFloat16, where, " is an int16 remainder, which needs a bfloat16 ",
+                     "parameter; the parameter is ", param.scalar_type());
+    return value;
+  }
   if (key == "master_param") {
     TORCH_CHECK_TYPE(value.scalar_type() == at::kFloat, where, " must be float32, got ", value.scalar_type());
     return value;

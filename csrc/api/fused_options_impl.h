@@ -39,6 +39,13 @@ inline void read_into(torch::serialize::InputArchive& a, const char* key, const 
   v = static_cast<c10::ScalarType>(code);
 }
 
+// Fields newer than some checkpoints (the lean-weight options of mixprec/optim_args.h): a
+// checkpoint without one keeps the value the options have; any other missing field is an error.
+inline bool is_later_field(const char* key) {
+  return std::strcmp(key, "stochastic_rounding") == 0 || std::strcmp(key, "seed") == 0 ||
+         std::strcmp(key, "master_remainder") == 0;
+}
+
 // beta1 and beta2 are inherited as the pair `betas` (see BetasAccessor).
 inline bool is_beta(const char* key) { return std::strcmp(key, "beta1") == 0 || std::strcmp(key, "beta2") == 0; }
 
@@ -67,8 +74,11 @@ template <class Derived, class Args>
 void FusedOptionsFor<Derived, Args>::serialize(torch::serialize::InputArchive& archive) {
   Derived read = self();
   const std::string where = Derived::options_name();
-  Derived::for_each_field(
-      [&](const char* key, auto mine, auto) { internal::read_into(archive, key, where, read.*mine); });
+  Derived::for_each_field([&](const char* key, auto mine, auto) {
+    c10::IValue unused;
+    if (internal::is_later_field(key) && !archive.try_read(key, unused)) return;
+    internal::read_into(archive, key, where, read.*mine);
+  });
   self() = read;
 }
 

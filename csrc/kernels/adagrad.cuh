@@ -8,8 +8,8 @@
 
 namespace mixprec::kernels {
 
-// TP: model param storage, TG: grad storage; the sum and the master are float32.
-template <typename TP, typename TG, bool kStoreGrad>  // kStoreGrad: as AdamOp
+// TP: model param storage, TG: grad storage; the sum is float32, the master float32 or a remainder.
+template <typename TP, typename TG, bool kStoreGrad, int kPath>  // kStoreGrad, kPath: as AdamOp
 struct AdagradOp {
   AdagradParams p;
 
@@ -24,8 +24,9 @@ struct AdagradOp {
     TP* param = chunk_ptr<TP>(table, ctx, kAdagradParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kAdagradGrad);
     float* sum = chunk_ptr<float>(table, ctx, kAdagradStateSum);
-    float* master = chunk_ptr<float>(table, ctx, kAdagradMaster);
+    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
+    const uint32_t key = chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float g[Ilp][N], w[Ilp][N], h[Ilp][N];
@@ -33,8 +34,7 @@ struct AdagradOp {
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
+        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load<float, N>(sum, i, n, vec, h[u]);
       }
       if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
@@ -45,8 +45,7 @@ struct AdagradOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+        store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         store<float, N>(sum, i, n, vec, h[u]);
       }
     });

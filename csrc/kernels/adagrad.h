@@ -19,7 +19,7 @@ struct AdagradParams {
   // The hyper-parameters as declared (double); adagrad_w_mode: decoupled weight decay, else L2
   // added to the gradient.
   AdagradArgs args;
-  bool has_master = false;  // list kAdagradMaster (fp32) is the weight; kAdagradParam gets its rounding
+  WeightMode weights{kAdagradParam, kAdagradMaster};  // where the weight lives (kernels/optim_common.h)
 };
 
 void adagrad_cpu(const AdagradParams& p, int64_t chunk_begin, int64_t chunk_end);

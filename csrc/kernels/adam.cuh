@@ -10,7 +10,8 @@ namespace mixprec::kernels {
 
 // TP: model param storage, TG: grad storage, TS: moment storage (float or bf16); kStoreGrad:
 // stores_unscaled_grads (an instance of its own, so steps without a grad_scale keep their registers).
-template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp {
+// kPath: the weight path (WeightPath, optim_common.cuh).
+template <typename TP, typename TG, typename TS, bool kStoreGrad, int kPath> struct AdamOp {
   static constexpr bool kPersistent = false;  // see multi_tensor_kernel: a chunk loop would spill
   AdamParams p;
 
@@ -27,8 +28,9 @@ template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp 
     TS* exp_avg = chunk_ptr<TS>(table, ctx, kAdamExpAvg);
     TS* exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamExpAvgSq);
     TS* max_exp_avg_sq = chunk_ptr<TS>(table, ctx, kAdamMaxExpAvgSq);
-    float* master = chunk_ptr<float>(table, ctx, kAdamMaster);
+    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
+    const uint32_t key = chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float g[Ilp][N], w[Ilp][N], m[Ilp][N], v[Ilp][N], vm[Ilp][N];
@@ -36,8 +38,7 @@ template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp 
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load_packed<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load_packed<float, N>(master, i, n, vec, w[u]);
-        else load_packed<TP, N>(param, i, n, vec, w[u]);
+        load_weight<true, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load_packed<TS, N>(exp_avg, i, n, vec, m[u]);
         load_packed<TS, N>(exp_avg_sq, i, n, vec, v[u]);
         if (p.amsgrad) load_packed<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);
@@ -50,8 +51,7 @@ template <typename TP, typename TG, typename TS, bool kStoreGrad> struct AdamOp 
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store_packed<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store_packed<float, N>(master, i, n, vec, w[u]);
+        store_weight<true, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         store_packed<TS, N>(exp_avg, i, n, vec, m[u]);
         store_packed<TS, N>(exp_avg_sq, i, n, vec, v[u]);
         if (p.amsgrad) store_packed<TS, N>(max_exp_avg_sq, i, n, vec, vm[u]);

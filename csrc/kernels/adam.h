@@ -31,8 +31,8 @@ struct AdamParams {
   float one_minus_beta2 = 0.001f;
   float log_beta1 = -0.105360516f;  // log(beta1): bias correction 1 - beta^t = -expm1(t * log(beta))
   float log_beta2 = -0.0010005003f;
-  bool amsgrad = false;     // list kAdamMaxExpAvgSq is live
-  bool has_master = false;  // list kAdamMaster (fp32) is the weight; kAdamParam gets its rounding
+  bool amsgrad = false;                         // list kAdamMaxExpAvgSq is live
+  WeightMode weights{kAdamParam, kAdamMaster};  // where the weight lives (kernels/optim_common.h)
 };
 
 void adam_cpu(const AdamParams& p, int64_t chunk_begin, int64_t chunk_end);

@@ -16,10 +16,11 @@ template <typename TP, typename TG> struct LambShape {
   static constexpr int Ilp = 1;
 };
 
-// Pass 1. TP: model param storage, TG: grad storage; moments and masters are float32. Apply:
-// the one-pass step (no trust ratio), a template argument so that each variant keeps only the
-// registers it needs (the two-pass one neither writes weights nor needs lr).
-template <typename TP, typename TG, bool Apply, bool kStoreGrad>  // kStoreGrad: as AdamOp
+// Pass 1. TP: model param storage, TG: grad storage; moments float32, masters float32 or
+// remainders (WeightMode). Apply: the one-pass step (no trust ratio), a template argument so that
+// each variant keeps only the registers it needs (the two-pass one neither writes weights nor
+// needs lr).
+template <typename TP, typename TG, bool Apply, bool kStoreGrad, int kPath>  // kStoreGrad, kPath: as AdamOp
 struct LambMomentsOp {
   LambParams p;
 
@@ -32,8 +33,10 @@ struct LambMomentsOp {
     TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
     float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
-    float* master = chunk_ptr<float>(table, ctx, kLambMaster);
+    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
+    [[maybe_unused]] const uint32_t key =
+        chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     float w_sq = 0.f, u_sq = 0.f;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
@@ -42,8 +45,7 @@ struct LambMomentsOp {
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
+        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load<float, N>(exp_avg, i, n, vec, m[u]);
         load<float, N>(exp_avg_sq, i, n, vec, v[u]);
       }
@@ -68,8 +70,7 @@ struct LambMomentsOp {
         store<float, N>(exp_avg, i, n, vec, m[u]);
         store<float, N>(exp_avg_sq, i, n, vec, v[u]);
         if constexpr (Apply) {
-          store<TP, N>(param, i, n, vec, w[u]);
-          if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+          store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         }
       }
     });
@@ -85,7 +86,7 @@ struct LambMomentsOp {
 };
 
 // Pass 2: reads the new moments and the weight, never the gradient.
-template <typename TP> struct LambApplyOp {
+template <typename TP, int kPath> struct LambApplyOp {
   LambParams p;
 
   __device__ void operator()(const TensorTable<kLambLists>& table, const ChunkCtx& ctx) const {
@@ -97,16 +98,16 @@ template <typename TP> struct LambApplyOp {
     TP* param = chunk_ptr<TP>(table, ctx, kLambParam);
     const float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
     const float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
-    float* master = chunk_ptr<float>(table, ctx, kLambMaster);
+    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
+    const uint32_t key = chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float w[Ilp][N], m[Ilp][N], v[Ilp][N];
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
+        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         load<float, N>(exp_avg, i, n, vec, m[u]);
         load<float, N>(exp_avg_sq, i, n, vec, v[u]);
       }
@@ -117,8 +118,7 @@ template <typename TP> struct LambApplyOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+        store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
       }
     });
   }

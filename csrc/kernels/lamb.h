@@ -39,7 +39,7 @@ struct LambParams {
   // 1 - 0.999f^t the step) by as much. grad_averaging: beta1's (1 - beta1) factor on the gradient
   // (false: 1); adam_w_mode: decoupled decay (added to the update), else L2 added to the gradient.
   LambArgs args;
-  bool has_master = false;  // list kLambMaster (fp32) is the weight; kLambParam gets its rounding
+  WeightMode weights{kLambParam, kLambMaster};  // where the weight lives (kernels/optim_common.h)
   // Clipping: grads are divided by max(1, norm / max_grad_norm), norm = *global_grad_norm of the
   // unscaled grads (times 1/grad_scale first when global_grad_norm_scaled). Null: no clipping.
   // The limit is args.max_grad_norm.

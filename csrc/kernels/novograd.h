@@ -63,9 +63,9 @@ void novograd_moment_cuda(const NovoGradMomentParams& p, Stream stream);
 struct NovoGradParams {
   const TensorGroup* group = nullptr;
   StepScalars scalars;
-  const float* exp_avg_sq_norms = nullptr;  // [num args] v, already updated for this step
-  NovoGradArgs args;                        // the hyper-parameters as declared (double)
-  bool has_master = false;  // list kNovoGradMaster (fp32) is the weight; kNovoGradParam gets its rounding
+  const float* exp_avg_sq_norms = nullptr;              // [num args] v, already updated for this step
+  NovoGradArgs args;                                    // the hyper-parameters as declared (double)
+  WeightMode weights{kNovoGradParam, kNovoGradMaster};  // where the weight lives (kernels/optim_common.h)
 };
 
 void novograd_cpu(const NovoGradParams& p, int64_t chunk_begin, int64_t chunk_end);

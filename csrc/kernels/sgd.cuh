@@ -8,8 +8,9 @@
 
 namespace mixprec::kernels {
 
-// TP: model param storage, TG: grad storage; momentum and master are float32. kStoreGrad: as AdamOp.
-template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
+// TP: model param storage, TG: grad storage; momentum is float32, the master float32 or a
+// remainder (WeightMode). kStoreGrad: as AdamOp.
+template <typename TP, typename TG, bool kStoreGrad, int kPath> struct SgdOp {  // kPath: as AdamOp
   SgdParams p;
 
   __device__ void operator()(const TensorTable<kSgdLists>& table, const ChunkCtx& ctx) const {
@@ -24,11 +25,12 @@ template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
     TP* param = chunk_ptr<TP>(table, ctx, kSgdParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kSgdGrad);
     float* momentum = chunk_ptr<float>(table, ctx, kSgdMomentum);
-    float* master = chunk_ptr<float>(table, ctx, kSgdMaster);
+    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     // The first step overwrites the buffer without reading it (torch.optim.SGD's semantics), so it
     // saves that read and never sees what the buffer held.
     const bool read_momentum = c.use_momentum && !c.first_step;
     const int n = ctx.n;
+    const uint32_t key = chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
     const bool vec = ctx.vec_ok;
     for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
       float g[Ilp][N], w[Ilp][N], m[Ilp][N];
@@ -36,8 +38,7 @@ template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         load<TG, N>(grad, i, n, vec, g[u]);
-        if (p.has_master) load<float, N>(master, i, n, vec, w[u]);
-        else load<TP, N>(param, i, n, vec, w[u]);
+        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
         if (read_momentum) load<float, N>(momentum, i, n, vec, m[u]);
         else
 #pragma unroll
@@ -51,8 +52,7 @@ template <typename TP, typename TG, bool kStoreGrad> struct SgdOp {
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
-        store<TP, N>(param, i, n, vec, w[u]);
-        if (p.has_master) store<float, N>(master, i, n, vec, w[u]);
+        store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
         if (c.use_momentum) store<float, N>(momentum, i, n, vec, m[u]);
       }
     });

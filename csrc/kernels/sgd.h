@@ -17,7 +17,7 @@ struct SgdParams {
   // The hyper-parameters as declared (double). momentum 0: plain SGD, list kSgdMomentum is
   // absent; wd_after_momentum (Apex): decay added to the momentum-filtered direction.
   SgdArgs args;
-  bool has_master = false;  // list kSgdMaster (fp32) is the weight; kSgdParam gets its rounding
+  WeightMode weights{kSgdParam, kSgdMaster};  // where the weight lives (kernels/optim_common.h)
 };
 
 void sgd_cpu(const SgdParams& p, int64_t chunk_begin, int64_t chunk_end);

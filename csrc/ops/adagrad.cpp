@@ -17,13 +17,14 @@ void adagrad_impl(const AdagradInputs& in, const AdagradRunners& run, bool valid
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
   // The step count only enters through lr_decay.
-  const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, /*needs_step=*/a.lr_decay != 0);
+  const kernels::StepScalars scalars =
+      step_scalars(kOp, device, in.step, /*needs_step=*/a.lr_decay != 0 || a.stochastic_rounding);
 
   const NamedList param_list{"params", in.params}, sum_list{"state_sums", in.state_sums};
-  const bool has_master = present(in.master_params);
-  const NamedList master_list = master_list_or(in.master_params, param_list);
+  const WeightLists weights =
+      weight_lists(kOp, in.params, in.master_params, a.stochastic_rounding, a.seed, kernels::AdagradParams{}.weights);
+  const NamedList master_list = weights.master_list(param_list);
   check_state_dtypes(kOp, sum_list, /*allow_bf16=*/false);
-  if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
 
   // An absent master list is stood in for by params: the kernels never touch it.
   const PackedLists packed =
@@ -33,7 +34,7 @@ void adagrad_impl(const AdagradInputs& in, const AdagradRunners& run, bool valid
   kernels::AdagradParams p;
   p.scalars = scalars;
   p.args = a;
-  p.has_master = has_master;
+  p.weights = weights.mode;
   run_update(run, packed, device, in.step, p);
 }
 

@@ -17,18 +17,18 @@ void adam_impl(const AdamInputs& in, const AdamRunners& run, bool validate_only)
   check_range(kOp, "weight_decay", a.weight_decay, 0.0, INFINITY, true);
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
-  const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, a.bias_correction);
+  const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, a.bias_correction || a.stochastic_rounding);
 
   const NamedList param_list{"params", in.params}, avg_list{"exp_avgs", in.exp_avgs},
       sq_list{"exp_avg_sqs", in.exp_avg_sqs};
   check_state_dtypes(kOp, avg_list, /*allow_bf16=*/true);
   check_state_dtypes(kOp, sq_list, true, &avg_list);
   const bool amsgrad = present(in.max_exp_avg_sqs);
-  const bool has_master = present(in.master_params);
+  const WeightLists weights =
+      weight_lists(kOp, in.params, in.master_params, a.stochastic_rounding, a.seed, kernels::AdamParams{}.weights);
   const NamedList max_list = amsgrad ? NamedList{"max_exp_avg_sqs", in.max_exp_avg_sqs} : param_list;
-  const NamedList master_list = master_list_or(in.master_params, param_list);
+  const NamedList master_list = weights.master_list(param_list);
   if (amsgrad) check_state_dtypes(kOp, max_list, true, &avg_list);
-  if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
 
   // Absent lists are stood in for by params: the kernels never touch them (see kernels/adam.h).
   const PackedLists packed = pack_lists(
@@ -43,7 +43,7 @@ void adam_impl(const AdamInputs& in, const AdamRunners& run, bool validate_only)
   p.log_beta1 = static_cast<float>(std::log(a.beta1));  // -inf for beta1 = 0: bias correction 1
   p.log_beta2 = static_cast<float>(std::log(a.beta2));
   p.amsgrad = amsgrad;
-  p.has_master = has_master;
+  p.weights = weights.mode;
   run_update(run, packed, device, in.step, p);
 }
 

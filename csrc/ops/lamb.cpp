@@ -67,7 +67,7 @@ void lamb_impl(const LambInputs& in, const LambRunners& run, bool validate_only)
                     "use_nvlamb false): it is one element-wise pass, call lamb_ once without them");
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
-  const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, a.bias_correction);
+  const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, a.bias_correction || a.stochastic_rounding);
   if (global_grad_norm) check_scalar_tensor(kOp, "global_grad_norm", *global_grad_norm, device);
   if (local_norms) check_norms_storage("local_norms", *local_norms, device);
   if (trust_norms) check_norms_storage("trust_norms", *trust_norms, device);
@@ -76,9 +76,9 @@ void lamb_impl(const LambInputs& in, const LambRunners& run, bool validate_only)
       sq_list{"exp_avg_sqs", in.exp_avg_sqs};
   check_state_dtypes(kOp, avg_list, /*allow_bf16=*/false);
   check_state_dtypes(kOp, sq_list, false);
-  const bool has_master = present(in.master_params);
-  const NamedList master_list = master_list_or(in.master_params, param_list);
-  if (has_master) check_state_dtypes(kOp, master_list, false);
+  const WeightLists weights =
+      weight_lists(kOp, in.params, in.master_params, a.stochastic_rounding, a.seed, kernels::LambParams{}.weights);
+  const NamedList master_list = weights.master_list(param_list);
   // An absent master list is stood in for by params: the kernels never touch it.
   const PackedLists packed =
       pack_lists(kOp, {param_list, grad_list(in.grads), avg_list, sq_list, master_list}, device, kInPlaceUpdate);
@@ -111,7 +111,7 @@ void lamb_impl(const LambInputs& in, const LambRunners& run, bool validate_only)
   kernels::LambParams p;
   p.scalars = scalars;
   p.args = a;
-  p.has_master = has_master;
+  p.weights = weights.mode;
   p.global_grad_norm = norm_ptr;
   p.global_grad_norm_scaled = own_norm.defined();
   p.trust_ratio = trust_ratio;
@@ -129,7 +129,7 @@ void lamb_impl(const LambInputs& in, const LambRunners& run, bool validate_only)
   } else {
     if (in.step.step_tensor) run.increment_step(step_tensor_ptr(in.step.step_tensor), scalars.found_inf);
     for (const kernels::TensorGroup& g : packed.groups) {
-      p.group = &g;
+      set_group(p, g);
       run.moments(p);
     }
     if (local_norms) local_norms->zero_();  // empty tensors get no norm from the finalize
@@ -150,7 +150,7 @@ void lamb_impl(const LambInputs& in, const LambRunners& run, bool validate_only)
     if (local_norms) return;
   }
   for (const kernels::TensorGroup& g : packed.groups) {
-    p.group = &g;
+    set_group(p, g);
     run.apply(p);
   }
 }

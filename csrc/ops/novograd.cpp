@@ -99,15 +99,15 @@ void novograd_impl(const NovoGradInputs& in, const NovoGradRunners& run, bool va
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
   // The step count is needed for bias correction and, without init_zero, to know the first step.
   const kernels::StepScalars scalars =
-      step_scalars(kOp, device, in.step, /*needs_step=*/a.bias_correction || !a.init_zero);
+      step_scalars(kOp, device, in.step, /*needs_step=*/a.bias_correction || !a.init_zero || a.stochastic_rounding);
   check_per_tensor_storage("exp_avg_sq_norms", exp_avg_sq_norms, device);
   if (given_grad_norms) check_per_tensor_storage("grad_norms", *given_grad_norms, device);
 
   const NamedList param_list{"params", in.params}, avg_list{"exp_avgs", in.exp_avgs};
   check_state_dtypes(kOp, avg_list, /*allow_bf16=*/false);
-  const bool has_master = present(in.master_params);
-  const NamedList master_list = master_list_or(in.master_params, param_list);
-  if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
+  const WeightLists weights =
+      weight_lists(kOp, in.params, in.master_params, a.stochastic_rounding, a.seed, kernels::NovoGradParams{}.weights);
+  const NamedList master_list = weights.master_list(param_list);
   // Without master weights, params stand in for the master list: the kernels never touch it.
   const PackedLists packed =
       pack_lists(kOp, {param_list, grad_list(in.grads), avg_list, master_list}, device, kInPlaceUpdate);
@@ -153,9 +153,9 @@ void novograd_impl(const NovoGradInputs& in, const NovoGradRunners& run, bool va
   p.scalars = scalars;
   p.exp_avg_sq_norms = exp_avg_sq_norms.data_ptr<float>();
   p.args = a;
-  p.has_master = has_master;
+  p.weights = weights.mode;
   for (const kernels::TensorGroup& g : packed.groups) {
-    p.group = &g;
+    set_group(p, g);
     run.step(p);
   }
 }

@@ -83,6 +83,16 @@ template <class Inputs> bool nothing_to_step(const char* op, const Inputs& in) {
   return true;
 }
 
+// Points p at group g and sets the group's weight mode: its masters are remainders when they
+// packed as bfloat16 (weight_lists' views of int16; fp32 masters pack as float32), and stochastic
+// rounding applies to its params when they are bfloat16 and have no master.
+template <class Params> void set_group(Params& p, const kernels::TensorGroup& g) {
+  p.group = &g;
+  kernels::WeightMode& m = p.weights;
+  m.remainder = m.has_master && g.dtypes[m.master_list] == kernels::DType::kBFloat16;
+  m.stochastic = p.args.stochastic_rounding && !m.has_master && g.dtypes[m.param_list] == kernels::DType::kBFloat16;
+}
+
 // ---- each backend's pieces, called by the impls in this order ------------------------------
 using IncrementStep = void (*)(float* step_tensor, const float* found_inf);
 
@@ -94,7 +104,7 @@ void run_update(const Runners& run, const PackedLists& packed, const at::Device&
   const c10::DeviceGuard guard(device);
   if (step.step_tensor) run.increment_step(step_tensor_ptr(step.step_tensor), p.scalars.found_inf);
   for (const kernels::TensorGroup& g : packed.groups) {
-    p.group = &g;
+    set_group(p, g);
     run.step(p);
   }
 }

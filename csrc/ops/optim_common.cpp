@@ -66,6 +66,44 @@ void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, 
   }
 }
 
+WeightLists weight_lists(const char* op, at::TensorList params, at::TensorList master_params, bool stochastic_rounding,
+                         int64_t seed, kernels::WeightMode mode) {
+  WeightLists out;
+  mode.has_master = !master_params.empty();
+  mode.seed = static_cast<uint64_t>(seed);
+  TORCH_CHECK_VALUE(!stochastic_rounding || master_params.empty(), arg_name(op, "stochastic_rounding"),
+                    " rounds params kept without masters (pure bfloat16 training); master_params must be empty, got ",
+                    num(master_params.size()), " tensors");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto index = static_cast<int64_t>(i);
+    if (!stochastic_rounding || !params[i].defined()) continue;
+    TORCH_CHECK_TYPE(params[i].scalar_type() != at::kHalf, arg_name(op, "params", index),
+                     " is float16; stochastic_rounding rounds to bfloat16 (float32 params are stored exactly)");
+  }
+  for (size_t i = 0; i < master_params.size(); ++i) {
+    const at::Tensor& m = master_params[i];
+    const auto index = static_cast<int64_t>(i);
+    if (!m.defined()) {
+      out.masters.push_back(m);  // reported by pack_lists with its index
+      continue;
+    }
+    if (m.scalar_type() == at::kShort) {
+      const bool bf16 = i < params.size() && params[i].defined() && params[i].scalar_type() == at::kBFloat16;
+      TORCH_CHECK_TYPE(bf16 || i >= params.size() || !params[i].defined(), arg_name(op, "master_params", index),
+                       " is an int16 remainder, which needs a bfloat16 param; params[", num(index), "] is ",
+                       params[i].scalar_type());
+      out.masters.push_back(m.view(at::kBFloat16));
+      continue;
+    }
+    TORCH_CHECK_TYPE(m.scalar_type() == at::kFloat, arg_name(op, "master_params", index), " has dtype ",
+                     m.scalar_type(), "; expected float32 (an fp32 master) or int16 (the low half of a bfloat16 ",
+                     "param's fp32 master)");
+    out.masters.push_back(m);
+  }
+  out.mode = mode;
+  return out;
+}
+
 namespace {
 
 // A call whose lists are all empty and whose device scalars are all None carries no tensor for

@@ -31,11 +31,22 @@ void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, 
 // The grads list: read, never written (the overlap check lets grads share memory among themselves).
 inline NamedList grad_list(at::TensorList grads) { return {"grads", grads, /*written=*/false}; }
 
-// master_params when given (an fp32 param may be its own master), else `params` standing in for
-// the absent list: the kernels never touch a stand-in.
-inline NamedList master_list_or(at::TensorList master_params, const NamedList& params) {
-  return master_params.empty() ? params : NamedList{"master_params", master_params, true, /*may_be_params=*/true};
-}
+// The weights of one call as the kernels take them (kernels::WeightMode): master_params entries
+// are fp32 masters or int16 remainders (the low halves of bf16 params' fp32 masters), the latter
+// viewed as bfloat16 so that they pack like any 16-bit list (the kernels move their bits as they
+// are); which an entry is follows from its dtype, so one call may mix both (a checkpoint's fp32
+// master beside remainders). Refuses a remainder without a bf16 param, other master dtypes, and
+// stochastic_rounding with masters or fp16 params. `mode` comes with the family's list indices.
+struct WeightLists {
+  std::vector<at::Tensor> masters;
+  kernels::WeightMode mode;
+  // master_params for pack_lists, or `params` standing in for the absent list.
+  NamedList master_list(const NamedList& params) const {
+    return masters.empty() ? params : NamedList{"master_params", masters, true, /*may_be_params=*/true};
+  }
+};
+WeightLists weight_lists(const char* op, at::TensorList params, at::TensorList master_params, bool stochastic_rounding,
+                         int64_t seed, kernels::WeightMode mode);
 
 // A list is "absent" when empty; else it must match `ref` in length (checked later by pack_lists).
 inline bool present(at::TensorList l) { return !l.empty(); }

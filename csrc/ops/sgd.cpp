@@ -27,14 +27,15 @@ void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
   // The step count only decides whether this is momentum's first step.
-  const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, /*needs_step=*/use_momentum);
+  const kernels::StepScalars scalars =
+      step_scalars(kOp, device, in.step, /*needs_step=*/use_momentum || a.stochastic_rounding);
 
   const NamedList param_list{"params", in.params};
-  const bool has_master = present(in.master_params);
+  const WeightLists weights =
+      weight_lists(kOp, in.params, in.master_params, a.stochastic_rounding, a.seed, kernels::SgdParams{}.weights);
   const NamedList momentum_list = use_momentum ? NamedList{"momentum_buffers", in.momentum_buffers} : param_list;
-  const NamedList master_list = master_list_or(in.master_params, param_list);
+  const NamedList master_list = weights.master_list(param_list);
   if (use_momentum) check_state_dtypes(kOp, momentum_list, /*allow_bf16=*/false);
-  if (has_master) check_state_dtypes(kOp, master_list, /*allow_bf16=*/false);
 
   // Absent lists are stood in for by params: the kernels never touch them (see kernels/sgd.h).
   const PackedLists packed =
@@ -44,7 +45,7 @@ void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
   kernels::SgdParams p;
   p.scalars = scalars;
   p.args = a;
-  p.has_master = has_master;
+  p.weights = weights.mode;
   run_update(run, packed, device, in.step, p);
 }
 

@@ -241,6 +241,8 @@ def adam_(
     lr_tensor: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     validate_only: bool = False,
 ) -> None:
     """One fused Adam (``adam_w_mode=False``: L2 decay) or AdamW step over lists of tensors.
@@ -252,6 +254,13 @@ def adam_(
     it the host ``step`` (counting this step) is used. amsgrad is on when ``max_exp_avg_sqs`` is
     given. Moments are float32, or bfloat16 to save memory. An empty ``params`` (every other list
     empty too) is a step over nothing: the hyper-parameters are checked, nothing is touched.
+
+    Lean weights (every optimizer op): a ``master_params`` entry may instead be an int16
+    remainder, the low 16 bits of a bf16 param's fp32 master, which the kernel rebuilds from
+    (param, remainder), updates and splits back (the param gets the nearest bf16, ties toward
+    zero; kernels/optim_common.h). ``stochastic_rounding=True`` (no master_params) rounds the
+    update of bf16 params stochastically, from a hash of (``seed``, step count, tensor index,
+    element index): identical bits on CPU and CUDA, repeated after a checkpoint.
 
     ``validate_only=True`` (every optimizer op takes it) runs every check the step makes, with the
     same error class and message (hyper-parameter ranges, devices, dtypes, shapes, layouts,
@@ -282,6 +291,8 @@ def sgd_(
     lr_tensor: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     validate_only: bool = False,
 ) -> None:
     """One fused SGD step with torch.optim.SGD's semantics (the first step sets the momentum
@@ -316,6 +327,8 @@ def lamb_(
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
     global_grad_norm: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     validate_only: bool = False,
 ) -> None:
     """One fused LAMB step. ``global_grad_norm`` (float32, one element) is the norm of the
@@ -360,6 +373,8 @@ def adagrad_(
     lr_tensor: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     validate_only: bool = False,
 ) -> None:
     """One fused Adagrad step (torch.optim.Adagrad's lr_decay; ``adagrad_w_mode`` decays weights
@@ -391,6 +406,8 @@ def novograd_(
     lr_tensor: Optional[torch.Tensor] = None,
     grad_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
     validate_only: bool = False,
 ) -> None:
     """One fused NovoGrad step: per-tensor second moments in ``exp_avg_sq_norms`` (float32,

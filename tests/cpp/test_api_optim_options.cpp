@@ -21,6 +21,7 @@ using namespace mixprec::optim;
 // A value other than `d`, of its type.
 double other(double d) { return d == 0 ? 0.375 : d * 1.5; }
 bool other(bool d) { return !d; }
+int64_t other(int64_t d) { return d + 7; }
 
 template <class Options> torch::serialize::InputArchive archived(const Options& o) {
   torch::serialize::OutputArchive out;

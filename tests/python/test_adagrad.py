@@ -171,7 +171,7 @@ def test_constructor_matches_apex():
     keyword-only extras."""
     apex = dict(lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True, adagrad_w_mode=False)
     fam.constructor_matches_apex(FusedAdagrad, apex, {"lr_decay", "initial_accumulator_value", "maximize",
-                                                      "master_weights"})
+                                                      "master_weights", "rounding", "seed"})
 
 
 def test_zero_grad_follows_set_grad_none(device):

@@ -391,7 +391,7 @@ def test_constructor_rejects_what_apex_rejects():
     opt = FusedLAMB(p)
     assert opt.defaults == dict(lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
                                 grad_averaging=True, max_grad_norm=1.0, adam_w_mode=True, use_nvlamb=False,
-                                master_weights=False)
+                                master_weights=False, rounding="nearest", seed=0)
     assert opt.set_grad_none and not opt.master_weights
 
 

@@ -19,6 +19,10 @@ STEP_TAIL = [("step", "int", False, False), ("lr_tensor", "Tensor?", False, True
              ("grad_scale", "Tensor?", False, True), ("found_inf", "Tensor?", False, True)]
 
 
+# Every family's list ends with the lean-weight pair (stochastic rounding and its seed).
+ROUNDING = [("stochastic_rounding", "bool", False, False), ("seed", "int", False, False)]
+
+
 def lists(*names):
     return [(n, "Tensor[]", True, False) for n in names]
 
@@ -34,20 +38,21 @@ def bools(*names):
 EXPECTED = {
     "adam": lists("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params") + STEP_HEAD
     + floats("beta1", "beta2", "eps", "weight_decay") + bools("adam_w_mode", "bias_correction", "maximize")
-    + STEP_TAIL,
+    + ROUNDING + STEP_TAIL,
     "sgd": lists("params", "grads", "momentum_buffers", "master_params") + STEP_HEAD
-    + floats("momentum", "dampening", "weight_decay") + bools("nesterov", "wd_after_momentum", "maximize") + STEP_TAIL,
+    + floats("momentum", "dampening", "weight_decay") + bools("nesterov", "wd_after_momentum", "maximize") + ROUNDING
+    + STEP_TAIL,
     "lamb": lists("params", "grads", "exp_avgs", "exp_avg_sqs", "master_params") + STEP_HEAD
     + floats("beta1", "beta2", "eps", "weight_decay") + bools("bias_correction", "grad_averaging", "adam_w_mode")
-    + floats("max_grad_norm") + bools("use_nvlamb") + STEP_TAIL
+    + floats("max_grad_norm") + bools("use_nvlamb") + ROUNDING + STEP_TAIL
     + [("global_grad_norm", "Tensor?", False, True), ("local_norms", "Tensor?", True, True),
        ("trust_norms", "Tensor?", False, True)],
     "adagrad": lists("params", "grads", "state_sums", "master_params") + STEP_HEAD
-    + floats("eps", "weight_decay", "lr_decay") + bools("adagrad_w_mode", "maximize") + STEP_TAIL,
+    + floats("eps", "weight_decay", "lr_decay") + bools("adagrad_w_mode", "maximize") + ROUNDING + STEP_TAIL,
     "novograd": lists("params", "grads", "exp_avgs") + [("exp_avg_sq_norms", "Tensor", True, False)]
     + lists("master_params") + STEP_HEAD + floats("beta1", "beta2", "eps", "weight_decay")
     + bools("bias_correction", "grad_averaging", "reg_inside_moment") + floats("norm_type") + bools("init_zero")
-    + STEP_TAIL + [("grad_norms", "Tensor?", False, True)],
+    + ROUNDING + STEP_TAIL + [("grad_norms", "Tensor?", False, True)],
 }
 
 

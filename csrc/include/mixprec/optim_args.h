@@ -7,6 +7,11 @@
 // type is double, bool or int64_t (schema "float", "bool", "int"); default is a C++ literal.
 // Adding a hyper-parameter to a family = one X(...) line here plus its math in kernels/<family>.h
 // (the kernels' parameter blocks hold these structs).
+//
+// Every family ends with the same two: stochastic_rounding (bf16 params without masters take the
+// update rounded stochastically, from a counter-based hash of (seed, step, tensor, element), so
+// CPU and CUDA agree bit for bit; kernels/optim_common.h; it needs a step count, as it hashes
+// it) and its seed.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +24,9 @@
   X(double, weight_decay, 0.0)        \
   X(bool, adam_w_mode, true)          \
   X(bool, bias_correction, true)      \
-  X(bool, maximize, false)
+  X(bool, maximize, false)            \
+  X(bool, stochastic_rounding, false) \
+  X(int64_t, seed, 0)
 
 #define MIXPREC_SGD_ARGS(X)           \
   X(double, momentum, 0.0)            \
@@ -27,7 +34,9 @@
   X(double, weight_decay, 0.0)        \
   X(bool, nesterov, false)            \
   X(bool, wd_after_momentum, false)   \
-  X(bool, maximize, false)
+  X(bool, maximize, false)            \
+  X(bool, stochastic_rounding, false) \
+  X(int64_t, seed, 0)
 
 #define MIXPREC_LAMB_ARGS(X)          \
   X(double, beta1, 0.9)               \
@@ -38,14 +47,18 @@
   X(bool, grad_averaging, true)       \
   X(bool, adam_w_mode, true)          \
   X(double, max_grad_norm, 1.0)       \
-  X(bool, use_nvlamb, false)
+  X(bool, use_nvlamb, false)          \
+  X(bool, stochastic_rounding, false) \
+  X(int64_t, seed, 0)
 
 #define MIXPREC_ADAGRAD_ARGS(X)       \
   X(double, eps, 1e-10)               \
   X(double, weight_decay, 0.0)        \
   X(double, lr_decay, 0.0)            \
   X(bool, adagrad_w_mode, false)      \
-  X(bool, maximize, false)
+  X(bool, maximize, false)            \
+  X(bool, stochastic_rounding, false) \
+  X(int64_t, seed, 0)
 
 #define MIXPREC_NOVOGRAD_ARGS(X)      \
   X(double, beta1, 0.9)               \
@@ -56,7 +69,9 @@
   X(bool, grad_averaging, true)       \
   X(bool, reg_inside_moment, false)   \
   X(double, norm_type, 2.0)           \
-  X(bool, init_zero, false)
+  X(bool, init_zero, false)           \
+  X(bool, stochastic_rounding, false) \
+  X(int64_t, seed, 0)
 
 // The rest of each op's declaration. Its tensors before the keyword arguments, in schema order:
 // X(kind, name, alias), kind LIST (Tensor[]) or TENSOR, alias the schema's annotation (each is

@@ -3,6 +3,7 @@
 #include "kernels/adagrad.h"
 
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/optim_weights.h"
 
 namespace mixprec::kernels {
 namespace {
@@ -11,17 +12,15 @@ MIXPREC_CPU_CLONES void adagrad_chunk(const AdagradParams& p, const AdagradCoeff
                                       int64_t n) {
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], h[cpu::kTile];
-  const int weight_list = p.has_master ? kAdagradMaster : kAdagradParam;
   for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
     const int64_t len = std::min(cpu::kTile, begin + n - at);
     cpu::load_tile(g.dtypes[kAdagradGrad], g.ptrs[kAdagradGrad][t], at, len, grad);
-    cpu::load_tile(g.dtypes[weight_list], g.ptrs[weight_list][t], at, len, w);
+    cpu::load_weights(p.weights, g, t, at, len, w);
     cpu::load_tile(DType::kFloat32, g.ptrs[kAdagradStateSum][t], at, len, h);
     for (int64_t i = 0; i < len; ++i) adagrad_update(c, grad[i], w[i], h[i]);
     if (stores_unscaled_grads(p.scalars))
       cpu::store_tile(g.dtypes[kAdagradGrad], grad, g.ptrs[kAdagradGrad][t], at, len);
-    cpu::store_tile(g.dtypes[kAdagradParam], w, g.ptrs[kAdagradParam][t], at, len);
-    if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kAdagradMaster][t], at, len);
+    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
     cpu::store_tile(DType::kFloat32, h, g.ptrs[kAdagradStateSum][t], at, len);
   }
 }

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/optim_weights.h"
 
 namespace mixprec::kernels {
 namespace {
@@ -16,11 +17,10 @@ MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& 
   const AdamCoefficients c = coefficients;
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile], v[cpu::kTile], vm[cpu::kTile];
-  const int weight_list = p.has_master ? kAdamMaster : kAdamParam;
   for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
     const int64_t len = std::min(cpu::kTile, begin + n - at);
     cpu::load_tile(g.dtypes[kAdamGrad], g.ptrs[kAdamGrad][t], at, len, grad);
-    cpu::load_tile(g.dtypes[weight_list], g.ptrs[weight_list][t], at, len, w);
+    cpu::load_weights(p.weights, g, t, at, len, w);
     cpu::load_tile(g.dtypes[kAdamExpAvg], g.ptrs[kAdamExpAvg][t], at, len, m);
     cpu::load_tile(g.dtypes[kAdamExpAvgSq], g.ptrs[kAdamExpAvgSq][t], at, len, v);
     if (c.amsgrad) {
@@ -34,8 +34,7 @@ MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& 
       }
     }
     if (stores_unscaled_grads(p.scalars)) cpu::store_tile(g.dtypes[kAdamGrad], grad, g.ptrs[kAdamGrad][t], at, len);
-    cpu::store_tile(g.dtypes[kAdamParam], w, g.ptrs[kAdamParam][t], at, len);
-    if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kAdamMaster][t], at, len);
+    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
     cpu::store_tile(g.dtypes[kAdamExpAvg], m, g.ptrs[kAdamExpAvg][t], at, len);
     cpu::store_tile(g.dtypes[kAdamExpAvgSq], v, g.ptrs[kAdamExpAvgSq][t], at, len);
   }

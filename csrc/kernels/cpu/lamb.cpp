@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/optim_weights.h"
 
 namespace mixprec::kernels {
 namespace {
@@ -16,13 +17,12 @@ MIXPREC_CPU_CLONES void lamb_moments_chunk(const LambParams& p, const LambCoeffi
                                            int64_t n, float& w_sq, float& u_sq) {
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile], v[cpu::kTile], u[cpu::kTile];
-  const int weight_list = p.has_master ? kLambMaster : kLambParam;
   const bool apply = !p.trust_ratio;
   float w_acc[kLanes] = {}, u_acc[kLanes] = {};
   for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
     const int64_t len = std::min(cpu::kTile, begin + n - at);
     cpu::load_tile(g.dtypes[kLambGrad], g.ptrs[kLambGrad][t], at, len, grad);
-    cpu::load_tile(g.dtypes[weight_list], g.ptrs[weight_list][t], at, len, w);
+    cpu::load_weights(p.weights, g, t, at, len, w);
     cpu::load_tile(DType::kFloat32, g.ptrs[kLambExpAvg][t], at, len, m);
     cpu::load_tile(DType::kFloat32, g.ptrs[kLambExpAvgSq][t], at, len, v);
     for (int64_t i = 0; i < len; ++i) u[i] = lamb_moments(c, grad[i], w[i], m[i], v[i]);
@@ -31,8 +31,7 @@ MIXPREC_CPU_CLONES void lamb_moments_chunk(const LambParams& p, const LambCoeffi
     cpu::store_tile(DType::kFloat32, v, g.ptrs[kLambExpAvgSq][t], at, len);
     if (apply) {
       for (int64_t i = 0; i < len; ++i) w[i] -= c.lr * u[i];
-      cpu::store_tile(g.dtypes[kLambParam], w, g.ptrs[kLambParam][t], at, len);
-      if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kLambMaster][t], at, len);
+      cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
       continue;
     }
     // Pad the tile to whole lanes with zeros (w = 0 and u = 0 add nothing), then sum by lanes.
@@ -55,15 +54,13 @@ MIXPREC_CPU_CLONES void lamb_apply_chunk(const LambParams& p, const LambCoeffici
                                          int64_t begin, int64_t n) {
   const TensorGroup& g = *p.group;
   alignas(64) float w[cpu::kTile], m[cpu::kTile], v[cpu::kTile];
-  const int weight_list = p.has_master ? kLambMaster : kLambParam;
   for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
     const int64_t len = std::min(cpu::kTile, begin + n - at);
-    cpu::load_tile(g.dtypes[weight_list], g.ptrs[weight_list][t], at, len, w);
+    cpu::load_weights(p.weights, g, t, at, len, w);
     cpu::load_tile(DType::kFloat32, g.ptrs[kLambExpAvg][t], at, len, m);
     cpu::load_tile(DType::kFloat32, g.ptrs[kLambExpAvgSq][t], at, len, v);
     for (int64_t i = 0; i < len; ++i) w[i] -= step_size * lamb_direction(c, m[i], v[i], w[i]);
-    cpu::store_tile(g.dtypes[kLambParam], w, g.ptrs[kLambParam][t], at, len);
-    if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kLambMaster][t], at, len);
+    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/optim_weights.h"
 
 namespace mixprec::kernels {
 namespace {
@@ -22,18 +23,16 @@ MIXPREC_CPU_CLONES void novograd_chunk(const NovoGradParams& p, const NovoGradCo
                                        int64_t begin, int64_t n) {
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile];
-  const int weight_list = p.has_master ? kNovoGradMaster : kNovoGradParam;
   for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
     const int64_t len = std::min(cpu::kTile, begin + n - at);
     cpu::load_tile(g.dtypes[kNovoGradGrad], g.ptrs[kNovoGradGrad][t], at, len, grad);
-    cpu::load_tile(g.dtypes[weight_list], g.ptrs[weight_list][t], at, len, w);
+    cpu::load_weights(p.weights, g, t, at, len, w);
     cpu::load_tile(DType::kFloat32, g.ptrs[kNovoGradExpAvg][t], at, len, m);
     if (c.reg_inside_moment) update_tile<true>(c, denom, grad, w, m, len);
     else update_tile<false>(c, denom, grad, w, m, len);
     if (stores_unscaled_grads(p.scalars))
       cpu::store_tile(g.dtypes[kNovoGradGrad], grad, g.ptrs[kNovoGradGrad][t], at, len);
-    cpu::store_tile(g.dtypes[kNovoGradParam], w, g.ptrs[kNovoGradParam][t], at, len);
-    if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kNovoGradMaster][t], at, len);
+    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
     cpu::store_tile(DType::kFloat32, m, g.ptrs[kNovoGradExpAvg][t], at, len);
   }
 }

@@ -3,6 +3,7 @@
 #include "kernels/sgd.h"
 
 #include "kernels/cpu/convert.h"
+#include "kernels/cpu/optim_weights.h"
 
 namespace mixprec::kernels {
 namespace {
@@ -10,11 +11,10 @@ namespace {
 MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& c, int64_t t, int64_t begin, int64_t n) {
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile];
-  const int weight_list = p.has_master ? kSgdMaster : kSgdParam;
   for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
     const int64_t len = std::min(cpu::kTile, begin + n - at);
     cpu::load_tile(g.dtypes[kSgdGrad], g.ptrs[kSgdGrad][t], at, len, grad);
-    cpu::load_tile(g.dtypes[weight_list], g.ptrs[weight_list][t], at, len, w);
+    cpu::load_weights(p.weights, g, t, at, len, w);
     if (c.use_momentum) {
       // The first step sets the buffer without reading it (torch.optim.SGD's semantics).
       if (!c.first_step) cpu::load_tile(DType::kFloat32, g.ptrs[kSgdMomentum][t], at, len, m);
@@ -27,8 +27,7 @@ MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& c, 
       }
     }
     if (stores_unscaled_grads(p.scalars)) cpu::store_tile(g.dtypes[kSgdGrad], grad, g.ptrs[kSgdGrad][t], at, len);
-    cpu::store_tile(g.dtypes[kSgdParam], w, g.ptrs[kSgdParam][t], at, len);
-    if (p.has_master) cpu::store_tile(DType::kFloat32, w, g.ptrs[kSgdMaster][t], at, len);
+    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
   }
 }
 

@@ -11,7 +11,10 @@ void adagrad_cuda(const AdagradParams& p, Stream stream) {
     dispatch_dtype(g.dtypes[kAdagradGrad], [&](auto grad_tag) {
       using TG = decltype(grad_tag);
       dispatch_store_grads(p.scalars, [&](auto store) {
-        launch_multi_tensor<kAdagradLists>(g, AdagradOp<TP, TG, decltype(store)::value>{p}, stream);
+        dispatch_weight_path<TP>(p.weights, [&](auto path) {
+          launch_multi_tensor<kAdagradLists>(g, AdagradOp<TP, TG, decltype(store)::value, decltype(path)::value>{p},
+                                             stream);
+        });
       });
     });
   });

@@ -13,9 +13,12 @@ void adam_cuda(const AdamParams& p, Stream stream) {
       // Moments are float32, or bfloat16 to save memory (validated by the ops tier).
       dispatch_store_grads(p.scalars, [&](auto store) {
         constexpr bool kStore = decltype(store)::value;
-        if (g.dtypes[kAdamExpAvg] == DType::kBFloat16)
-          launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, __nv_bfloat16, kStore>{p}, stream);
-        else launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, float, kStore>{p}, stream);
+        dispatch_weight_path<TP>(p.weights, [&](auto path) {
+          constexpr int kPath = decltype(path)::value;
+          if (g.dtypes[kAdamExpAvg] == DType::kBFloat16)
+            launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, __nv_bfloat16, kStore, kPath>{p}, stream);
+          else launch_multi_tensor<kAdamLists>(g, AdamOp<TP, TG, float, kStore, kPath>{p}, stream);
+        });
       });
     });
   });

@@ -12,8 +12,12 @@ void lamb_moments_cuda(const LambParams& p, Stream stream) {
       using TG = decltype(grad_tag);
       dispatch_store_grads(p.scalars, [&](auto store) {
         constexpr bool kStore = decltype(store)::value;
-        if (p.trust_ratio) launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, false, kStore>{p}, stream);
-        else launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, true, kStore>{p}, stream);
+        // The two-pass moments read the weight too (its norm, the decay): remainders need their path.
+        dispatch_weight_path<TP>(p.weights, [&](auto path) {
+          constexpr int kPath = decltype(path)::value;
+          if (p.trust_ratio) launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, false, kStore, kPath>{p}, stream);
+          else launch_multi_tensor<kLambLists>(g, LambMomentsOp<TP, TG, true, kStore, kPath>{p}, stream);
+        });
       });
     });
   });
@@ -23,7 +27,10 @@ void lamb_apply_cuda(const LambParams& p, Stream stream) {
   const TensorGroup& g = *p.group;
   if (g.size() == 0) return;
   dispatch_dtype(g.dtypes[kLambParam], [&](auto param_tag) {
-    launch_multi_tensor<kLambLists>(g, LambApplyOp<decltype(param_tag)>{p}, stream);
+    using TP = decltype(param_tag);
+    dispatch_weight_path<TP>(p.weights, [&](auto path) {
+      launch_multi_tensor<kLambLists>(g, LambApplyOp<TP, decltype(path)::value>{p}, stream);
+    });
   });
 }
 

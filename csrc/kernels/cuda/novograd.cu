@@ -18,7 +18,10 @@ void novograd_cuda(const NovoGradParams& p, Stream stream) {
     using TP = decltype(param_tag);
     dispatch_dtype(g.dtypes[kNovoGradGrad], [&](auto grad_tag) {
       dispatch_store_grads(p.scalars, [&](auto store) {
-        launch_multi_tensor<kNovoGradLists>(g, NovoGradOp<TP, decltype(grad_tag), decltype(store)::value>{p}, stream);
+        dispatch_weight_path<TP>(p.weights, [&](auto path) {
+          launch_multi_tensor<kNovoGradLists>(
+              g, NovoGradOp<TP, decltype(grad_tag), decltype(store)::value, decltype(path)::value>{p}, stream);
+        });
       });
     });
   });

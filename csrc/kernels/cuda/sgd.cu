@@ -11,7 +11,9 @@ void sgd_cuda(const SgdParams& p, Stream stream) {
     dispatch_dtype(g.dtypes[kSgdGrad], [&](auto grad_tag) {
       using TG = decltype(grad_tag);
       dispatch_store_grads(p.scalars, [&](auto store) {
-        launch_multi_tensor<kSgdLists>(g, SgdOp<TP, TG, decltype(store)::value>{p}, stream);
+        dispatch_weight_path<TP>(p.weights, [&](auto path) {
+          launch_multi_tensor<kSgdLists>(g, SgdOp<TP, TG, decltype(store)::value, decltype(path)::value>{p}, stream);
+        });
       });
     });
   });

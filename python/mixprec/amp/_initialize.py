@@ -17,6 +17,7 @@ from ._casts import apply_registry, patch_forward
 from ._layers import use_layer_kernels
 from ._o1_handle import InitializeHandle, NoOpHandle
 from ._o1_patch import STATE as cast_state
+from ..optimizers import FusedOptimizer
 from ._optimizer import OPTIMIZER_TYPES, refresh_masters_from_model
 from ._process import process_optimizer
 from ._properties import LOW_DTYPES, Properties, logger, opt_levels, warn_or_err
@@ -160,6 +161,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     else:
         optimizer_list, optimizers_was_list = _as_list(optimizers, "optimizers", OPTIMIZER_TYPES)
     _check_targets(model_list, optimizer_list, props)
+    if props.master_weights == "remainder":
+        _check_remainder(optimizer_list, cast)
     scalers = [LossScaler(props.loss_scale, i, min_loss_scale, max_loss_scale, scale_history)
                for i in range(num_losses)]
 
@@ -316,7 +319,8 @@ def _initialize(models: list, optimizers: list, props: Properties, low: torch.dt
     for i, opt in enumerate(optimizers):
         if cast is not None and not props.master_weights and opt.state:
             opt.load_state_dict(opt.state_dict())  # recast existing per-param state (Apex's trick)
-        optimizers[i] = process_optimizer(opt, bool(props.master_weights), originals)
+        mode = props.master_weights if props.master_weights == "remainder" else bool(props.master_weights)
+        optimizers[i] = process_optimizer(opt, mode, originals)
     if props.master_weights and optimizers:
         for model in models:
             model.register_load_state_dict_post_hook(
@@ -324,6 +328,18 @@ def _initialize(models: list, optimizers: list, props: Properties, low: torch.dt
     if props.patch_torch_functions:
         apply_registry()
     return optimizers
+
+
+def _check_remainder(optimizers: list, cast: Any) -> None:
+    """master_weights='remainder' (bf16 weights plus the low halves of their fp32 masters, kept by
+    a mixprec fused optimizer's kernel): refused, before anything changes, where it cannot hold."""
+    if cast is not torch.bfloat16:
+        raise ValueError(f"amp.initialize: master_weights='remainder' needs cast_model_type=torch.bfloat16 (it "
+                         f"keeps the low 16 bits of bf16 weights' fp32 masters); the model is cast to {cast}")
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, FusedOptimizer):
+            raise ValueError(f"amp.initialize: master_weights='remainder' needs mixprec fused optimizers; optimizer "
+                             f"{i} is {type(opt).__name__}")
 
 
 def _refresh_hook(module, incompatible_keys, *, optimizers):

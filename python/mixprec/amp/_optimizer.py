@@ -133,7 +133,10 @@ class AmpStash(GradMarks):
         if self.kind == SWAP:
             ids = self.master_ids
             return [p for group in groups for p in group["params"] if id(p) not in ids]
-        return [p for group in groups for p in group["params"] if p.dtype == torch.float32]
+        # FUSED_MASTERS: fp32 params, and bf16 ones with remainder masters (their grads are the masters').
+        state = self.optimizer.state
+        return [p for group in groups for p in group["params"]
+                if p.dtype == torch.float32 or "master_remainder" in state.get(p, {})]
 
     def master_params(self) -> Iterator[torch.Tensor]:
         if self.unfinished is not None:
@@ -361,6 +364,10 @@ def refresh_masters_from_model(optimizers: list, model: torch.nn.Module) -> None
             for p, m in stash.low_pairs():
                 if id(p) in params:
                     m.copy_(p)
+            for p in stash.own_params():  # remainder masters: the loaded weight, exactly
+                state = opt.state.get(p, {})
+                if id(p) in params and "master_remainder" in state:
+                    state["master_remainder"].zero_()
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 
 from .._step_guard import StepGuard
 from ..optimizers import FusedOptimizer
+from ..optimizers import _lean
 from ._grad_marks import stray_message
 from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash
 from ._properties import LOW_DTYPES
@@ -208,15 +209,24 @@ def _init_fused_masters(optimizer: FusedOptimizer, group: dict, originals: dict)
         state = optimizer.state[p]
         if not state:
             optimizer._init_param_state(p, group)
+        if _lean.REMAINDER in state:
+            if p in originals:  # the fp32 value from before the cast is the master: split it
+                weight, remainder = _lean.split(originals[p])
+                with torch.no_grad():
+                    p.copy_(weight)
+                state[_lean.REMAINDER].copy_(remainder)
+            continue
         if "master_param" not in state:
             state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
         if p in originals:
             state["master_param"].copy_(originals[p])
 
 
-def process_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool, originals: dict) -> torch.optim.Optimizer:
+def process_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool | str,
+                      originals: dict) -> torch.optim.Optimizer:
     """Sets up ``optimizer`` for amp in place (same object: isinstance holds) and returns it.
-    ``originals`` maps cast params to their fp32 values from before the cast (the masters)."""
+    ``originals`` maps cast params to their fp32 values from before the cast (the masters).
+    ``master_weights="remainder"``: a fused optimizer keeps its masters as remainders."""
     if hasattr(optimizer, "_amp_stash"):
         raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
     if master_weights and isinstance(optimizer, FusedOptimizer):
@@ -240,7 +250,11 @@ def process_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool, or
         if optimizer.state:
             optimizer.load_state_dict(optimizer.state_dict())  # recast existing state to fp32 (Apex)
     elif kind == FUSED_MASTERS:
-        optimizer.master_weights = True
+        if master_weights == "remainder":  # every param bf16 (BatchNorm kept fp32 is refused here)
+            for i, group in enumerate(optimizer.param_groups):
+                _lean.check_params(type(optimizer).__name__, dict(group, master_weights="remainder"),
+                                   group["params"], f"param group {i}")
+        optimizer.master_weights = master_weights
         for group in optimizer.param_groups:
             _init_fused_masters(optimizer, group, originals)
     stash.note_grads()  # gradients from before initialize are dropped by the first block, as in Apex

@@ -10,8 +10,9 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .._dtensor import dtensor_type
-from ._rules import FLAG, LR, MOMENT, check_group, check_state_values, step_count
-from ._step_cache import HyperCache, StepLists, checked_params, gather, masters, regular_params
+from . import _lean
+from ._rules import LR, MOMENT, check_group, check_state_values, step_count
+from ._step_cache import HyperCache, StepLists, checked_params, gather, regular_params
 
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
 
@@ -82,7 +83,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _hyper_rules: dict = {"lr": LR}
     # Group options every family has, checked with the family's _hyper_rules (see __init_subclass__).
-    _base_rules: dict = {"master_weights": FLAG}
+    # (master_weights: True, False or "remainder"; rounding and seed: see _lean.py.)
+    _base_rules: dict = dict(_lean.RULES)
     master_weights = GroupOption()
     _group_rules: tuple = ()
     _state_rules: dict = {}
@@ -105,8 +107,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         cls._rules = {**cls._hyper_rules, **cls._base_rules}  # merged once, not on every step
 
     def __init__(self, params: Iterable[Any], defaults: dict, *, master_weights: bool = False,
-                 set_grad_none: bool = True, capturable: bool = False):
-        defaults = dict(defaults, master_weights=master_weights)
+                 set_grad_none: bool = True, capturable: bool = False, rounding: str = "nearest", seed: int = 0):
+        defaults = dict(defaults, master_weights=master_weights, rounding=rounding, seed=seed)
         self._check_group(defaults, "defaults")
         super().__init__(params, defaults)
         self.set_grad_none = bool(set_grad_none)
@@ -122,6 +124,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         full = dict(self.defaults, **{k: v for k, v in param_group.items() if k != "params"})
         self._check_group(full, where)
         params = param_group.get("params")
+        _lean.check_params(type(self).__name__, full, params, where)
         if isinstance(params, (list, tuple)):
             # torch only warns here; a parameter stepped twice per step() is silently wrong.
             seen: dict[int, int] = {}
@@ -132,9 +135,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 seen[id(p)] = i
         super().add_param_group(param_group)
 
+    def _all_group_rules(self) -> tuple:
+        """The family's cross-option rules and the weight options' (master_weights, rounding)."""
+        return self._group_rules + _lean.GROUP_RULES
+
     def _check_group(self, group: dict, where: str) -> None:
         """Raises ValueError for the first option of `group` that breaks the class's rules."""
-        check_group(type(self).__name__, self._rules, self._group_rules, group, where)
+        check_group(type(self).__name__, self._rules, self._all_group_rules(), group, where)
 
     # -- copies: torch.optim.Optimizer pickles only defaults, state and param_groups ------------
     def __getstate__(self) -> dict:
@@ -182,7 +189,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         hyper, lists = self._step_caches()
         plan = []
         for index, group in enumerate(self.param_groups):  # every group is checked before any steps
-            hyper.check(type(self).__name__, self._rules, self._group_rules, group, index)
+            hyper.check(type(self).__name__, self._rules, self._all_group_rules(), group, index)
             regular = regular_params(group["params"])
             if regular is not None:
                 params, _, device = regular
@@ -190,6 +197,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 params, device = checked_params(type(self).__name__, group, index)
                 if not params:
                     continue
+            _lean.check_params(type(self).__name__, group, params, f"param group {index}")
             plan.append((group, params, device))
         hyper.forget_from(len(self.param_groups))
         try:
@@ -243,12 +251,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise
         for group, params, scalars in calls[1:]:
             self._step_group(group, params, **scalars)
+        _lean.settle(self, [(group, params) for group, params, _ in calls])
         return loss
 
     # -- helpers for subclasses --------------------------------------------------------------
     def _init_param_state(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
-        if group["master_weights"] and p.dtype != torch.float32:
+        if not _lean.init_master(state, p, group) and group["master_weights"] and p.dtype != torch.float32:
             # In the parameter's layout (channels_last stays channels_last): the op walks an
             # entry's tensors in one storage order.
             state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
@@ -263,13 +272,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _masters(self, params: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-        """One fp32 master per param (fp32 params are their own master), or [] when `group` keeps none."""
-        if not group["master_weights"]:
-            return []
-        state_dicts = self._step_caches()[1].state_dicts(params)
-        if state_dicts is not None:
-            return masters(state_dicts, params)
-        return [self.state[p].get("master_param", p) for p in params]
+        """One master per param (fp32, or an int16 remainder; fp32 params are their own), or [] when `group` keeps none."""
+        return self._weight_args(params, group)["master_params"]
+
+    def _weight_args(self, params: list[torch.Tensor], group: dict) -> dict:
+        """The op's master_params, stochastic_rounding and seed for `group` (see _lean.op_args)."""
+        return _lean.op_args(self, params, group, self._step_caches()[1].state_dicts(params))
 
     def _states(self, params: list[torch.Tensor], key: str) -> list[torch.Tensor]:
         state_dicts = self._step_caches()[1].state_dicts(params)
@@ -311,7 +319,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 got = len(saved["params"]) if ok else "no"
                 raise ValueError(f"{name}.load_state_dict: param group {gi} has {got} params in the checkpoint "
                                  f"but {len(group['params'])} here")
-            lack_ok = set(self._keys_foreign_checkpoints_lack) | set(self._group_attributes)
+            lack_ok = set(self._keys_foreign_checkpoints_lack) | set(self._group_attributes) | set(_lean.LATER_OPTIONS)
             missing = sorted(set(self.defaults) - set(saved) - lack_ok)
             if missing:
                 raise ValueError(f"{name}.load_state_dict: param group {gi} lacks {missing}; "
@@ -319,7 +327,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._check_group(dict(self.defaults, **saved), f"{name}.load_state_dict: param group {gi}")
             new_group = {k: v for k, v in saved.items() if k != "params"}
             new_group["params"] = group["params"]
-            for key in self._group_attributes:  # checkpoints from when it was per optimizer: keep ours
+            for key in self._group_attributes + _lean.LATER_OPTIONS:  # checkpoints from before: keep ours
                 new_group.setdefault(key, group[key])
             step = new_group.get("step")
             if step is not None:
@@ -351,12 +359,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             where = f"{name}.load_state_dict: state[{pid}][{key!r}]"
             if key in self._state_rules or key == "master_param":
                 out[key] = self._loaded_state_tensor(key, value, p, where)
+            elif key == _lean.REMAINDER:
+                out[key] = _lean.loaded_remainder(value, p, where)
             elif key in self._scalar_state_keys:
                 step_count(value, where)  # refused unless finite and >= 0
                 out[key] = value.detach().to(p.device).clone() if isinstance(value, torch.Tensor) else value
             else:
                 raise ValueError(f"{where} is not state {name} knows; expected one of "
-                                 f"{sorted(self._state_rules) + ['master_param'] + list(self._scalar_state_keys)}")
+                                 f"{sorted(self._state_rules) + ['master_param', _lean.REMAINDER] + list(self._scalar_state_keys)}")
         where = f"{name}.load_state_dict: state[{pid}]"
         lacking = [k for k in self._required_state if k not in out]
         if out and lacking:
@@ -367,7 +377,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             if len({v.dtype for v in tensors.values()}) > 1:
                 got = {k: str(v.dtype) for k, v in tensors.items()}
                 raise ValueError(f"{where} mixes state dtypes {got}; expected one dtype per parameter")
-        if group["master_weights"] and p.dtype != torch.float32 and "master_param" not in out and tensors:
+        has_master = "master_param" in out or _lean.REMAINDER in out
+        if group["master_weights"] and p.dtype != torch.float32 and not has_master and tensors:
             raise ValueError(f"{where} has no 'master_param' but master_weights=True and the parameter is {p.dtype}")
         return out
 

@@ -124,7 +124,3 @@ class StepLists:
 def gather(state_dicts: list, key: str) -> list:
     """state[key] of each state dict (KeyError for a missing key, as the direct lookup raises)."""
     return list(map(itemgetter(key), state_dicts))
-
-
-def masters(state_dicts: list, params: list) -> list:
-    return [s.get("master_param", p) for s, p in zip(state_dicts, params)]

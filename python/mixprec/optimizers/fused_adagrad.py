@@ -33,10 +33,10 @@ class FusedAdagrad(FusedOptimizer):
     _keys_foreign_checkpoints_lack = ("adagrad_w_mode",)
 
     def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True, adagrad_w_mode=False, *,
-                 lr_decay=0.0, initial_accumulator_value=0.0, maximize=False, master_weights=False):
+                 lr_decay=0.0, initial_accumulator_value=0.0, maximize=False, master_weights=False, rounding="nearest", seed=0):
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, adagrad_w_mode=adagrad_w_mode, lr_decay=lr_decay,
                         initial_accumulator_value=initial_accumulator_value, maximize=maximize)
-        super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, master_weights=master_weights, rounding=rounding, seed=seed, set_grad_none=set_grad_none)
 
     def _init_state(self, p, group, state):
         state["sum"] = torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32,
@@ -46,7 +46,7 @@ class FusedAdagrad(FusedOptimizer):
         _ops.adagrad_(
             params, [p.grad for p in params], self._states(params, "sum"), lr=lr, eps=group["eps"],
             weight_decay=group["weight_decay"], lr_decay=group["lr_decay"], adagrad_w_mode=group["adagrad_w_mode"],
-            maximize=group["maximize"], master_params=self._masters(params, group), step_tensor=step_tensor,
+            maximize=group["maximize"], **self._weight_args(params, group), step_tensor=step_tensor,
             lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only,
         )
 

@@ -43,10 +43,10 @@ class FusedAdam(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False,
-                 *, maximize=False, state_dtype=torch.float32):
+                 *, maximize=False, state_dtype=torch.float32, rounding="nearest", seed=0):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=pair(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, adam_w_mode=adam_w_mode, maximize=maximize, state_dtype=state_dtype)
-        super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none,
+        super().__init__(params, defaults, master_weights=master_weights, rounding=rounding, seed=seed, set_grad_none=set_grad_none,
                          capturable=capturable)
 
     def _init_state(self, p, group, state):
@@ -67,7 +67,7 @@ class FusedAdam(FusedOptimizer):
             lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], maximize=group["maximize"],
             max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if group["amsgrad"] else (),
-            master_params=self._masters(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
+            **self._weight_args(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
             grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only,
         )
 

@@ -45,13 +45,13 @@ class FusedLAMB(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
                  amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
-                 use_nvlamb=False, *, master_weights=False):
+                 use_nvlamb=False, *, master_weights=False, rounding="nearest", seed=0):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=pair(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging, max_grad_norm=max_grad_norm,
                         adam_w_mode=adam_w_mode, use_nvlamb=use_nvlamb)
-        super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, master_weights=master_weights, rounding=rounding, seed=seed, set_grad_none=set_grad_none)
 
     def _reset_caches(self):
         self._grad_norms: dict[torch.device, torch.Tensor] = {}
@@ -113,6 +113,6 @@ class FusedLAMB(FusedOptimizer):
             lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
             adam_w_mode=group["adam_w_mode"], max_grad_norm=group["max_grad_norm"], use_nvlamb=group["use_nvlamb"],
-            master_params=self._masters(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
+            **self._weight_args(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
             grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only, global_grad_norm=global_grad_norm,
         )

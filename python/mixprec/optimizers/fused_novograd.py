@@ -55,13 +55,13 @@ class FusedNovoGrad(FusedOptimizer):
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, reg_inside_moment=False, grad_averaging=True, norm_type=2, init_zero=False,
-                 set_grad_none=True, *, master_weights=False):
+                 set_grad_none=True, *, master_weights=False, rounding="nearest", seed=0):
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=pair(betas), eps=eps,
                         weight_decay=weight_decay, grad_averaging=grad_averaging, norm_type=norm_type,
                         init_zero=init_zero, reg_inside_moment=reg_inside_moment)
-        super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, master_weights=master_weights, rounding=rounding, seed=seed, set_grad_none=set_grad_none)
 
     def _reset_caches(self):
         self._index_cache: dict = {}
@@ -113,7 +113,7 @@ class FusedNovoGrad(FusedOptimizer):
             lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
             reg_inside_moment=group["reg_inside_moment"], norm_type=_op_norm_type(group["norm_type"]),
-            init_zero=group["init_zero"], master_params=self._masters(params, group), step_tensor=step_tensor,
+            init_zero=group["init_zero"], **self._weight_args(params, group), step_tensor=step_tensor,
             lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only,
         )
         if idx is not None and not validate_only:

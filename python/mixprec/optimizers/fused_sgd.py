@@ -34,10 +34,10 @@ class FusedSGD(FusedOptimizer):
 
     def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False,
                  wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False, *,
-                 master_weights=False, maximize=False):
+                 master_weights=False, maximize=False, rounding="nearest", seed=0):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, wd_after_momentum=wd_after_momentum, maximize=maximize)
-        super().__init__(params, defaults, master_weights=master_weights, set_grad_none=set_grad_none)
+        super().__init__(params, defaults, master_weights=master_weights, rounding=rounding, seed=seed, set_grad_none=set_grad_none)
         self.materialize_master_grads = bool(materialize_master_grads)
 
     def __setstate__(self, state):
@@ -69,7 +69,7 @@ class FusedSGD(FusedOptimizer):
                 ps, [p.grad for p in ps], [buffers[p] for p in ps] if momentum != 0 else (),
                 lr=lr, momentum=momentum, dampening=dampening, weight_decay=group["weight_decay"],
                 nesterov=group["nesterov"], wd_after_momentum=group["wd_after_momentum"],
-                maximize=group["maximize"], master_params=self._masters(ps, group), lr_tensor=lr_tensor,
+                maximize=group["maximize"], **self._weight_args(ps, group), lr_tensor=lr_tensor,
                 grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only, **step_args,
             )
 

@@ -12,6 +12,7 @@ namespace mixprec::optim {
   X(double, lr, 1e-3)                     \
   X(bool, amsgrad, false)                 \
   X(bool, master_weights, false)          \
+  X(bool, master_remainder, false)        \
   X(c10::ScalarType, state_dtype, c10::kFloat)
 
 // Apex's and the Python front's defaults: adam_w_mode=true (AdamW's decoupled decay; false: L2

@@ -64,6 +64,9 @@ class FusedOptions : public torch::optim::OptimizerOptions {
  public:
   virtual bool uses_master_weights() const = 0;
   virtual void set_master_weights(bool on) = 0;
+  // With master weights: bf16 params keep only the low 16 bits of their fp32 masters (an int16
+  // remainder in the master_param slot; docs/optimizers.md). False for options without the field.
+  virtual bool uses_master_remainder() const { return false; }
   // Throws a ValueError naming `where` and the field when a hyper-parameter is out of range.
   virtual void check(const std::string& where) const = 0;
   // A param group's options inherit every field still at its constructor default (`fresh`) from

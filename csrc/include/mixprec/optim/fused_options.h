@@ -66,6 +66,7 @@ class FusedOptionsFor : public FusedOptions, public internal::BetasAccessor<Deri
   void set_lr(const double lr) override { self().lr(lr); }
   bool uses_master_weights() const override { return self().master_weights(); }
   void set_master_weights(bool on) override { self().master_weights(on); }
+  bool uses_master_remainder() const override { return self().master_remainder(); }
   // Field by field; betas as one value (both taken from the defaults, or neither), as
   // torch::optim's tuple field is; lr only where Derived::lr_has_default.
   void inherit_unset(const FusedOptions& defaults, const FusedOptions& fresh) override;

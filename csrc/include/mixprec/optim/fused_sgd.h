@@ -8,7 +8,8 @@ namespace mixprec::optim {
 
 #define MIXPREC_FUSED_SGD_OWN_OPTIONS(X) \
   X(double, lr, 0.0)                     \
-  X(bool, master_weights, false)
+  X(bool, master_weights, false)         \
+  X(bool, master_remainder, false)
 
 // torch::optim::SGDOptions' fields plus Apex's wd_after_momentum (decay added to the
 // momentum-filtered direction instead of to the gradient); lr has no default, as in torch.
