@@ -85,4 +85,14 @@ void FusedOptionsFor<Derived, Args>::inherit_unset(const FusedOptions& defaults,
   }
 }
 
+template <class Derived, class Args>
+bool FusedOptionsFor<Derived, Args>::same_but_lr(const FusedOptions& other_options) const {
+  const auto& other = static_cast<const Derived&>(other_options);
+  bool same = true;
+  Derived::for_each_field([&](const char* key, auto mine, auto) {
+    same = same && (std::strcmp(key, "lr") == 0 || self().*mine == other.*mine);
+  });
+  return same;
+}
+
 }  // namespace mixprec::optim

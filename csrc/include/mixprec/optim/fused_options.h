@@ -69,6 +69,7 @@ class FusedOptionsFor : public FusedOptions, public internal::BetasAccessor<Deri
   // Field by field; betas as one value (both taken from the defaults, or neither), as
   // torch::optim's tuple field is; lr only where Derived::lr_has_default.
   void inherit_unset(const FusedOptions& defaults, const FusedOptions& fresh) override;
+  bool same_but_lr(const FusedOptions& other) const override;
 
   // Whether a group's lr left at the constructor's value is inherited (not for SGD, whose lr has
   // no default: torch::optim::SGDOptions' rule).
