@@ -16,6 +16,7 @@ template class FusedOptionsFor<FusedAdamOptions, AdamArgs>;
 FusedAdamWOptions::FusedAdamWOptions(double lr) : FusedAdamOptions(lr) {
   weight_decay(1e-2);
   adam_w_mode(true);
+  forget_named();  // AdamW's defaults, not a group's choices: a group may still inherit them
 }
 
 void FusedAdamOptions::check(const std::string& where) const {
