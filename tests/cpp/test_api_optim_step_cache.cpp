@@ -149,6 +149,16 @@ TEST_P(ApiOptimStepCache, AfterEveryKindOfChangeStepsLikeAFreshOptimizer) {
        }},
       {"a master replaced by a copy",
        [](Trained& s) { s.state(s.param(1, 1)).master_param(s.state(s.param(1, 1)).master_param().clone()); }},
+      {"a master seeded through set_master",
+       [dev](Trained& s) { s.opt->set_master(s.param(1, 0), random_tensor({5}, at::kFloat, dev)); }},
+      {"a group moved to the CPU with its state (CUDA only)",
+       [](Trained& s) {
+         for (size_t i = 0; i < 2 && s.param(1, i).is_cuda(); ++i) {
+           for (const auto& slot : s.state(s.param(1, i)).slots())
+             if (slot.second->defined()) *slot.second = slot.second->cpu();
+           s.param(1, i).set_data(s.param(1, i).detach().cpu());
+         }
+       }},
       {"a param's state dropped (made again)",
        [](Trained& s) { s.opt->state().erase(s.param(0, 1).unsafeGetTensorImpl()); }},
       {"master weights turned off in a group (its masters left in place)",
@@ -241,6 +251,16 @@ TEST_P(ApiOptimStepCache, AMisuseAfterCleanStepsIsRefusedWithItsMessageAndChange
       {"param of another dtype",
        [](Trained& s) { s.param(1, 0).set_data(s.param(1, 0).detach().to(at::kDouble)); },
        {"param_groups[1]: params[0] has dtype", "expected float32, float16 or bfloat16"}},
+      {"param moved to another device (CUDA only: the group then mixes devices)",
+       [](Trained& s) {
+         if (s.param(1, 0).is_cuda()) {
+           s.param(1, 0).set_data(s.param(1, 0).detach().cpu());
+           s.param(1, 0).mutable_grad() = s.param(1, 0).grad().cpu();
+         } else {  // nothing to move to: the same refusal another way
+           s.param(1, 0).mutable_grad() = s.param(1, 0).grad().to(at::kDouble);
+         }
+       },
+       {"param_groups[1]"}},
       {"state tensor of another dtype",
        [](Trained& s) { s.moment(s.param(1, 1)) = s.moment(s.param(1, 1)).to(at::kDouble); },
        {"param_groups[1]: params[1] state['"}},
