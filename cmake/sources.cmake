@@ -80,6 +80,7 @@ set(MIXPREC_OP_SOURCES
   csrc/api/fused_novograd.cpp
   csrc/api/fused_optimizer.cpp
   csrc/api/fused_optimizer_state.cpp
+  csrc/api/fused_optimizer_step.cpp
   csrc/api/fused_sgd.cpp
   csrc/api/grad_scaler.cpp
   csrc/api/opt_level.cpp

@@ -12,30 +12,16 @@
 #include <torch/torch.h>
 #include <torch/version.h>
 
-#include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
+
 namespace {
 
-using Shape = std::vector<int64_t>;
-
-// GPT-2-style parameter shapes in nn.Module order (as benchmarks/common.py's gpt_shapes).
-std::vector<Shape> gpt_shapes(int64_t layers, int64_t width, int64_t vocab = 50304, int64_t ctx = 1024) {
-  std::vector<Shape> s{{vocab, width}, {ctx, width}};
-  for (int64_t l = 0; l < layers; ++l) {
-    const std::vector<Shape> block{{width}, {width}, {3 * width, width}, {3 * width}, {width, width},     {width},
-                                   {width}, {width}, {4 * width, width}, {4 * width}, {width, 4 * width}, {width}};
-    s.insert(s.end(), block.begin(), block.end());
-  }
-  s.push_back({width});
-  s.push_back({width});
-  return s;
-}
+using namespace mixprec_bench;
 
 std::vector<Shape> shape_set(const std::string& name) {
   if (name == "gpt2-medium") return gpt_shapes(24, 1024);
@@ -44,37 +30,6 @@ std::vector<Shape> shape_set(const std::string& name) {
   if (name == "tiny") return gpt_shapes(2, 128, 4096, 256);
   std::fprintf(stderr, "unknown shape set %s\n", name.c_str());
   std::exit(2);
-}
-
-int64_t numel(const Shape& s) {
-  int64_t n = 1;
-  for (int64_t d : s) n *= d;
-  return n;
-}
-
-void sync(const torch::Device& d) {
-  if (d.is_cuda()) torch::cuda::synchronize();
-}
-
-double now_ms() {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Median and minimum of `steps` timed calls of fn after `warmup` untimed ones.
-std::pair<double, double> time_steps(const std::function<void()>& fn, const torch::Device& d, int warmup, int steps) {
-  for (int i = 0; i < warmup; ++i) fn();
-  sync(d);
-  std::vector<double> ms;
-  for (int i = 0; i < steps; ++i) {
-    sync(d);
-    const double t0 = now_ms();
-    fn();
-    sync(d);
-    ms.push_back(now_ms() - t0);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double median = ms.size() % 2 ? ms[ms.size() / 2] : 0.5 * (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]);
-  return {median, ms.front()};
 }
 
 std::vector<torch::Tensor> make(const std::vector<Shape>& shapes, torch::ScalarType dtype, const torch::Device& d,
@@ -92,23 +47,19 @@ std::vector<torch::Tensor> make(const std::vector<Shape>& shapes, torch::ScalarT
 int main(int argc, char** argv) {
   bool cpu = false, o2 = false;
   std::string set;
-  int steps = 20, warmup = 5;
+  TimingArgs timing{20, 5};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--cpu") cpu = true;
     else if (a == "--o2") o2 = true;
     else if (a == "--shapes" && i + 1 < argc) set = argv[++i];
-    else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
-    else if (a == "--warmup" && i + 1 < argc) warmup = std::atoi(argv[++i]);
-    else {
+    else if (!timing.take(a, i, argc, argv)) {
       std::fprintf(stderr, "usage: %s [--cpu] [--shapes NAME] [--steps N] [--warmup N] [--o2]\n", argv[0]);
       return 2;
     }
   }
-  if (steps < 15) {
-    std::fprintf(stderr, "--steps must be >= 15 (the median needs them)\n");
-    return 2;
-  }
+  if (!timing.valid()) return 2;
+  const int steps = timing.steps, warmup = timing.warmup;
   const bool cuda = !cpu && torch::cuda::is_available();
   const torch::Device d = cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
   if (set.empty()) set = cuda ? "gpt2-medium" : "gpt2-mini";

@@ -23,22 +23,32 @@ inline c10::IValue read_ivalue(torch::serialize::InputArchive& archive, const st
   return v;
 }
 
-inline double read_double(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
-  const c10::IValue v = read_ivalue(archive, key, where);
+// A value of `key` as a number, an integer or a bool; errors name `where` and the key.
+inline double ivalue_double(const c10::IValue& v, const std::string& key, const std::string& where) {
   TORCH_CHECK_VALUE(v.isDouble() || v.isInt(), where, ": '", key, "' must be a number, got ", v.tagKind());
   return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
 }
 
-inline int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
-  const c10::IValue v = read_ivalue(archive, key, where);
+inline int64_t ivalue_int(const c10::IValue& v, const std::string& key, const std::string& where) {
   TORCH_CHECK_VALUE(v.isInt(), where, ": '", key, "' must be an integer, got ", v.tagKind());
   return v.toInt();
 }
 
-inline bool read_bool(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
-  const c10::IValue v = read_ivalue(archive, key, where);
+inline bool ivalue_bool(const c10::IValue& v, const std::string& key, const std::string& where) {
   TORCH_CHECK_VALUE(v.isBool(), where, ": '", key, "' must be a bool, got ", v.tagKind());
   return v.toBool();
+}
+
+inline double read_double(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  return ivalue_double(read_ivalue(archive, key, where), key, where);
+}
+
+inline int64_t read_int(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  return ivalue_int(read_ivalue(archive, key, where), key, where);
+}
+
+inline bool read_bool(torch::serialize::InputArchive& archive, const std::string& key, const std::string& where) {
+  return ivalue_bool(read_ivalue(archive, key, where), key, where);
 }
 
 inline std::string read_string(torch::serialize::InputArchive& archive, const std::string& key,
@@ -53,8 +63,7 @@ inline std::optional<double> read_optional_double(torch::serialize::InputArchive
                                                   const std::string& where) {
   c10::IValue v;
   if (!archive.try_read(key, v)) return std::nullopt;
-  TORCH_CHECK_VALUE(v.isDouble() || v.isInt(), where, ": '", key, "' must be a number, got ", v.tagKind());
-  return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
+  return ivalue_double(v, key, where);
 }
 
 inline void write_optional_double(torch::serialize::OutputArchive& archive, const std::string& key,

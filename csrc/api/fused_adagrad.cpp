@@ -31,10 +31,8 @@ void FusedAdagrad::init_param_state(const at::Tensor& p, const FusedOptions& opt
   if (!s.sum().defined()) s.sum(state_zeros(p).fill_(options_as(options).initial_accumulator_value()));
 }
 
-void FusedAdagrad::step_group(size_t, const std::vector<at::Tensor>& params, const FusedOptions& options,
-                              const StepArgs& args) {
-  mixprec::adagrad_(params, grads_of(params), gather(params, [](auto& s) { return s.sum(); }), masters(params, options),
-                    options_as(options).args(), args);
+void FusedAdagrad::step_group(size_t, const GroupLists& l, const FusedOptions& options, const StepArgs& args) {
+  mixprec::adagrad_(l.params, l.grads, l.slot("sum"), l.masters, options_as(options).args(), args);
 }
 
 }  // namespace mixprec::optim

@@ -16,6 +16,7 @@ template class FusedOptionsFor<FusedAdamOptions, AdamArgs>;
 FusedAdamWOptions::FusedAdamWOptions(double lr) : FusedAdamOptions(lr) {
   weight_decay(1e-2);
   adam_w_mode(true);
+  forget_named();  // AdamW's defaults, not a group's choices: a group may still inherit them
 }
 
 void FusedAdamOptions::check(const std::string& where) const {
@@ -62,13 +63,10 @@ void FusedAdam::init_param_state(const at::Tensor& p, const FusedOptions& option
   if (o.amsgrad() && !s.max_exp_avg_sq().defined()) s.max_exp_avg_sq(s.exp_avg_sq().clone());
 }
 
-void FusedAdam::step_group(size_t, const std::vector<at::Tensor>& params, const FusedOptions& options,
-                           const StepArgs& args) {
+void FusedAdam::step_group(size_t, const GroupLists& l, const FusedOptions& options, const StepArgs& args) {
   const auto& o = options_as(options);
-  mixprec::adam_(params, grads_of(params), gather(params, [](auto& s) { return s.exp_avg(); }),
-                 gather(params, [](auto& s) { return s.exp_avg_sq(); }),
-                 o.amsgrad() ? gather(params, [](auto& s) { return s.max_exp_avg_sq(); }) : std::vector<at::Tensor>{},
-                 masters(params, options), o.args(), args);
+  mixprec::adam_(l.params, l.grads, l.slot("exp_avg"), l.slot("exp_avg_sq"),
+                 o.amsgrad() ? at::TensorList(l.slot("max_exp_avg_sq")) : at::TensorList(), l.masters, o.args(), args);
 }
 
 at::Tensor FusedAdam::checked_state_tensor(const std::string& where, const std::string& key, const at::Tensor& value,

@@ -75,17 +75,15 @@ void FusedLAMB::begin_step() {
 
 void FusedLAMB::end_step() noexcept { grad_norms_.clear(); }
 
-void FusedLAMB::step_group(size_t, const std::vector<at::Tensor>& params, const FusedOptions& options,
-                           const StepArgs& args) {
+void FusedLAMB::step_group(size_t, const GroupLists& l, const FusedOptions& options, const StepArgs& args) {
   const auto& o = options_as(options);
   std::optional<at::Tensor> global_grad_norm;
   if (o.clips()) {
     for (const auto& e : grad_norms_)
-      if (e.first == params[0].device()) global_grad_norm = e.second;
+      if (e.first == l.params[0].device()) global_grad_norm = e.second;
     TORCH_CHECK(global_grad_norm.has_value(), name(), ": the global gradient norm is computed in step()");
   }
-  mixprec::lamb_(params, grads_of(params), gather(params, [](auto& s) { return s.exp_avg(); }),
-                 gather(params, [](auto& s) { return s.exp_avg_sq(); }), masters(params, options), o.args(), args,
+  mixprec::lamb_(l.params, l.grads, l.slot("exp_avg"), l.slot("exp_avg_sq"), l.masters, o.args(), args,
                  global_grad_norm);
 }
 

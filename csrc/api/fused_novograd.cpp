@@ -45,9 +45,9 @@ void FusedNovoGrad::init_param_state(const at::Tensor& p, const FusedOptions&, F
   if (!s.exp_avg().defined()) s.exp_avg(state_zeros(p));
 }
 
-void FusedNovoGrad::step_group(size_t index, const std::vector<at::Tensor>& params, const FusedOptions& options,
-                               const StepArgs& args) {
+void FusedNovoGrad::step_group(size_t index, const GroupLists& l, const FusedOptions& options, const StepArgs& args) {
   const auto& o = options_as(options);
+  const std::vector<at::Tensor>& params = l.params;
   const auto& group_params = param_groups()[index].params();
   const at::Device device = params[0].device();
   at::Tensor& norms = group_tensor(index, "exp_avg_sq");
@@ -81,8 +81,7 @@ void FusedNovoGrad::step_group(size_t index, const std::vector<at::Tensor>& para
   }
   NovoGradArgs a = o.args();
   a.norm_type = o.op_norm_type();
-  mixprec::novograd_(params, grads_of(params), gather(params, [](auto& s) { return s.exp_avg(); }), moments,
-                     masters(params, options), a, args);
+  mixprec::novograd_(params, l.grads, l.slot("exp_avg"), moments, l.masters, a, args);
   if (idx.defined()) norms.index_copy_(0, idx, moments);
 }
 

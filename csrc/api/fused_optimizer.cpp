@@ -13,9 +13,6 @@
 namespace mixprec::optim {
 
 using detail::api::group_where;
-using detail::api::param_where;
-using detail::api::same_layout;
-using detail::api::state_where;
 
 // ---- FusedParamState ------------------------------------------------------------------------
 std::vector<std::pair<std::string, at::Tensor>> FusedParamState::defined_tensors() const {
@@ -77,6 +74,7 @@ void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& pa
   if (param_group.has_options()) options = completed_options(param_group.options(), param_groups_.size());
   Optimizer::add_param_group(param_group);
   if (options) param_groups_.back().set_options(std::move(options));
+  forget_plans();
 }
 
 const FusedOptions& FusedOptimizer::options_of(size_t group) const {
@@ -181,6 +179,7 @@ void FusedOptimizer::set_master_weights(bool on) {
   TORCH_CHECK(d != nullptr, name_, ": the default options are of the wrong class");
   d->set_master_weights(on);
   for (size_t i = 0; i < param_groups_.size(); ++i) const_cast<FusedOptions&>(options_of(i)).set_master_weights(on);
+  forget_plans();
 }
 
 void FusedOptimizer::set_master(const at::Tensor& param, const at::Tensor& master) {
@@ -193,6 +192,7 @@ void FusedOptimizer::set_master(const at::Tensor& param, const at::Tensor& maste
   TORCH_CHECK_VALUE(master.sizes() == param.sizes(), name_, ".set_master: the master has shape ",
                     detail::shape(master.sizes()), " but the parameter has ", detail::shape(param.sizes()));
   state_of(param).master_param(detail::api::copy_in_layout_of(master.detach(), param));
+  forget_plans();
 }
 
 void FusedOptimizer::ensure_state(const at::Tensor& p, const FusedOptions& options) {
@@ -212,105 +212,6 @@ void FusedOptimizer::init_state() {
     const FusedOptions& o = options_of(i);
     for (const auto& p : param_groups_[i].params()) ensure_state(p, o);
   }
-}
-
-// ---- step -------------------------------------------------------------------------------------
-void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tensor>& params,
-                                       const FusedOptions& options) const {
-  // What the op itself would refuse, checked for every group before the first op runs: the op's
-  // own checks come one group at a time, after earlier groups have stepped. This runs on every
-  // step, so the checks are field reads and messages are built only on failure.
-  const auto op_dtype = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
-  for (size_t j = 0; j < params.size(); ++j) {
-    const at::Tensor& p = params[j];
-    const at::Tensor& g = p.grad();
-    TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
-                     "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(
-        !options.uses_master_weights() || !options.uses_master_remainder() || p.scalar_type() == at::kBFloat16,
-        param_where(name_, index, j), " is ", p.scalar_type(),
-        ": master_remainder needs bfloat16 params (put others in a group of their own)");
-    TORCH_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
-                      detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
-                      ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "
-                      "any permutation of dimensions)");
-    TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), param_where(name_, index, j), ".grad has dtype ", g.scalar_type(),
-                     "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(g.device() == p.device(), param_where(name_, index, j), ".grad is on ", g.device().str(),
-                      "; expected the parameter's ", p.device().str());
-    TORCH_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ",
-                      detail::shape(g.sizes()), "; expected the parameter's ", detail::shape(p.sizes()));
-    TORCH_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ", detail::shape(g.strides()),
-                      "; expected the parameter's layout, strides ", detail::shape(p.strides()),
-                      " (as autograd lays out gradients)");
-    const auto it = state_.find(p.unsafeGetTensorImpl());
-    auto* s = it == state_.end() ? nullptr : dynamic_cast<FusedParamState*>(it->second.get());
-    if (s == nullptr) continue;
-    for (const auto& slot : s->slots()) {
-      const at::Tensor& t = *slot.second;
-      if (!t.defined()) continue;
-      // float32 of the param's shape passes every family's rule; anything else gets the full check
-      // (the family's own rule, e.g. bfloat16 Adam moments) that load() applies.
-      if (t.scalar_type() != at::kFloat || t.sizes() != p.sizes()) {
-        checked_slot(state_where(name_, index, j, slot.first), slot.first, t, p, options);
-      }
-      TORCH_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ", t.device().str(),
-                        "; expected the parameter's ", p.device().str());
-      TORCH_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
-                        detail::shape(t.strides()), "; expected the parameter's layout, strides ",
-                        detail::shape(p.strides()));
-    }
-  }
-}
-
-torch::Tensor FusedOptimizer::step(LossClosure closure) {
-  torch::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  sync_group_slots();
-  // Every group is checked before any op runs: a bad group leaves all of them as they were.
-  struct Work {
-    size_t index;
-    const FusedOptions* options;
-    std::vector<at::Tensor> params;
-  };
-  std::vector<Work> work;
-  for (size_t i = 0; i < param_groups_.size(); ++i) {
-    const FusedOptions& o = options_of(i);
-    o.check(group_where(name_, i));
-    Work w{i, &o, {}};
-    for (const auto& p : param_groups_[i].params()) {
-      if (!p.grad().defined()) continue;
-      TORCH_CHECK(!p.grad().is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(i),
-                  ")");
-      if (!w.params.empty())
-        TORCH_CHECK_VALUE(p.device() == w.params[0].device(), group_where(name_, i), " mixes devices (",
-                          w.params[0].device(), " and ", p.device(), "); put each device's params in its own group");
-      w.params.push_back(p);
-    }
-    check_step_inputs(i, w.params, o);
-    if (!w.params.empty()) work.push_back(std::move(w));
-  }
-  begin_step();
-  struct EndStep {
-    FusedOptimizer* self;
-    ~EndStep() { self->end_step(); }
-  } end_step_guard{this};
-  for (const Work& w : work) {
-    for (const auto& p : w.params) ensure_state(p, *w.options);
-    const at::Device device = w.params[0].device();
-    StepArgs args;
-    args.lr = w.options->get_lr();
-    args.step_tensor = step_tensor_for(w.index, device);
-    const GradScaling s = scaling_on(device);
-    args.grad_scale = s.grad_scale;
-    args.found_inf = s.found_inf;
-    step_group(w.index, w.params, *w.options, args);
-  }
-  return loss;
 }
 
 }  // namespace mixprec::optim

@@ -194,6 +194,7 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
   for (size_t i = 0; i < param_groups_.size(); ++i) param_groups_[i].set_options(std::move(new_options[i]));
   state_ = std::move(new_state);
   group_tensors_ = std::move(new_group_tensors);
+  forget_plans();  // its state objects are gone
 }
 
 // ---- copies -------------------------------------------------------------------------------------

@@ -32,18 +32,18 @@ void FusedSGD::init_param_state(const at::Tensor&, const FusedOptions&, FusedPar
   // Momentum buffers are made in step_group, which must know which of them are new.
 }
 
-void FusedSGD::step_group(size_t, const std::vector<at::Tensor>& params, const FusedOptions& options,
-                          const StepArgs& args) {
+void FusedSGD::step_group(size_t, const GroupLists& l, const FusedOptions& options, const StepArgs& args) {
   const auto& o = options_as(options);
+  const std::vector<at::Tensor>& params = l.params;
   const bool momentum = o.momentum() != 0;
   std::unordered_set<const void*> fresh;
   if (momentum) {
-    for (const auto& p : params) {
-      auto& s = state_as<FusedSGDParamState>(p);
-      if (!s.momentum_buffer().defined()) {
-        s.momentum_buffer(state_zeros(p));
-        fresh.insert(p.unsafeGetTensorImpl());
-      }
+    // The lists hold the state's buffers as they are (a replaced one means rebuilt lists).
+    const auto& buffers = l.slot("momentum_buffer");
+    for (size_t k = 0; k < params.size(); ++k) {
+      if (buffers[k].defined()) continue;
+      state_as<FusedSGDParamState>(params[k]).momentum_buffer(state_zeros(params[k]));
+      fresh.insert(params[k].unsafeGetTensorImpl());
     }
   }
   const SgdArgs a = o.args();
@@ -56,7 +56,13 @@ void FusedSGD::step_group(size_t, const std::vector<at::Tensor>& params, const F
   // step. With dampening 0 a zero buffer gives the gradient anyway (momentum * 0 + g), but
   // otherwise buffers new to a group past its first step need a step of their own: a host step
   // of 1, skipped with found_inf like the rest, so no host sync either way.
-  if (fresh.empty() || o.dampening() == 0) {
+  if (fresh.empty()) {  // every buffer existed when the lists were built
+    mixprec::sgd_(params, l.grads, momentum ? at::TensorList(l.slot("momentum_buffer")) : at::TensorList(), l.masters,
+                  a, args);
+    return;
+  }
+  // New buffers (made above, after the lists were built: the next step rebuilds them).
+  if (o.dampening() == 0) {
     run(params, args);
     return;
   }

@@ -36,4 +36,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_impl(
     const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& mean, const at::Tensor& rstd,
     const std::optional<at::Tensor>& weight, std::array<bool, 3> output_mask, const LayerNormRunners& runners);
 
+// The two ops' kernels for one backend, its runners bound at compile time (what it registers).
+template <const LayerNormRunners& kRunners>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_with(const at::Tensor& input,
+                                                                       const std::optional<at::Tensor>& weight,
+                                                                       const std::optional<at::Tensor>& bias,
+                                                                       double eps) {
+  return layer_norm_forward_impl(input, weight, bias, eps, kRunners);
+}
+template <const LayerNormRunners& kRunners>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_with(const at::Tensor& grad_out,
+                                                                        const at::Tensor& input, const at::Tensor& mean,
+                                                                        const at::Tensor& rstd,
+                                                                        const std::optional<at::Tensor>& weight,
+                                                                        std::array<bool, 3> output_mask) {
+  return layer_norm_backward_impl(grad_out, input, mean, rstd, weight, output_mask, kRunners);
+}
+
 }  // namespace mixprec::detail

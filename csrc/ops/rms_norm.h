@@ -41,4 +41,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_impl(const at::Tensor& grad
                                                           std::array<bool, 2> output_mask,
                                                           const RmsNormRunners& runners);
 
+// The two ops' kernels for one backend, its runners bound at compile time (what it registers).
+template <const RmsNormRunners& kRunners>
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward_with(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                                         const std::optional<at::Tensor>& weight, double eps) {
+  return rms_norm_forward_impl(input, normalized_shape, weight, eps, kRunners);
+}
+template <const RmsNormRunners& kRunners>
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_with(const at::Tensor& grad_out, const at::Tensor& input,
+                                                          at::IntArrayRef normalized_shape, const at::Tensor& rstd,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          std::array<bool, 2> output_mask) {
+  return rms_norm_backward_impl(grad_out, input, normalized_shape, rstd, weight, output_mask, kRunners);
+}
+
 }  // namespace mixprec::detail

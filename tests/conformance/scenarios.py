@@ -108,12 +108,10 @@ def table() -> list[Row]:
     # Both fronts check every group's tensors before any group steps (Python: the ops' check twins).
     rows += [Row(name=f"{f}-bad-grad-layout-in-group-1", family=f, dtype="float16", masters="all", bad_grad=True)
              for f in FAMILIES]
-    rows.append(Row(
-        name="adam-float16-group1-explicitly-without-masters", family="adam", dtype="float16", masters="group1_off",
-        expected_difference=(
-            "C++ group options inherit every field still at the options class's default, so a group that "
-            "names master_weights=false under a constructor's true gets masters anyway; Python keeps what "
-            "a group names (torch.optim's rule). C++ (csrc/api) is being rewritten; recorded, not fixed here")))
+    # A group naming master_weights=False under a constructor's True keeps it in both fronts (C++
+    # options remember what a group named, even a value equal to the class's default).
+    rows.append(Row(name="adam-float16-group1-explicitly-without-masters", family="adam", dtype="float16",
+                    masters="group1_off"))
     return rows
 
 

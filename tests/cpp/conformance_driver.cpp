@@ -46,82 +46,21 @@ Dict new_dict() { return Dict(c10::StringType::get(), c10::AnyType::get()); }
 List new_list() { return List(c10::AnyType::get()); }
 
 // ---- each family's options, set by name from the scenario's values ------------------------------
-// The scenario names options as the Python front does; these tables map them onto the C++ fields.
-template <class O> using Fields = std::map<std::string, std::function<void(O&, const IValue&)>>;
-
-#define NUM(f) {#f, [](O& o, const IValue& v) { o.f(number(v)); }}
-#define FLAG(f) {#f, [](O& o, const IValue& v) { o.f(v.toBool()); }}
-#define BETAS                                              \
-  {"betas", [](O& o, const IValue& v) {                    \
-     const auto& t = v.toTupleRef().elements();            \
-     o.betas(std::make_tuple(number(t[0]), number(t[1]))); \
-   }}
-
-template <class O> Fields<O> fields();
-
-template <> Fields<mixprec::optim::FusedAdamOptions> fields() {
-  using O = mixprec::optim::FusedAdamOptions;
-  return {NUM(lr),
-          BETAS,
-          NUM(eps),
-          NUM(weight_decay),
-          FLAG(amsgrad),
-          FLAG(adam_w_mode),
-          FLAG(bias_correction),
-          FLAG(maximize),
-          FLAG(master_weights),
-          {"state_dtype",
-           [](O& o, const IValue& v) { o.state_dtype(v.toStringRef() == "bfloat16" ? c10::kBFloat16 : c10::kFloat); }}};
+// The scenario names options as the Python front does, which are the C++ fields' names (the
+// families' X-macro lists): set_field takes each by name, so a new hyper-parameter needs no edit
+// here. Only dtypes travel as names ("bfloat16") and become the dtype codes set_field takes.
+IValue field_value(const IValue& v) {
+  if (!v.isString()) return v;
+  const std::string& name = v.toStringRef();
+  static const std::map<std::string, c10::ScalarType> dtypes{
+      {"float32", c10::kFloat}, {"float16", c10::kHalf}, {"bfloat16", c10::kBFloat16}};
+  const auto it = dtypes.find(name);
+  if (it == dtypes.end()) throw std::runtime_error("conformance driver: unknown dtype " + name);
+  return IValue(static_cast<int64_t>(it->second));
 }
-template <> Fields<mixprec::optim::FusedSGDOptions> fields() {
-  using O = mixprec::optim::FusedSGDOptions;
-  return {NUM(lr),        NUM(momentum),           NUM(dampening), NUM(weight_decay),
-          FLAG(nesterov), FLAG(wd_after_momentum), FLAG(maximize), FLAG(master_weights)};
-}
-template <> Fields<mixprec::optim::FusedAdagradOptions> fields() {
-  using O = mixprec::optim::FusedAdagradOptions;
-  return {NUM(lr),           NUM(eps),
-          NUM(weight_decay), FLAG(adagrad_w_mode),
-          NUM(lr_decay),     NUM(initial_accumulator_value),
-          FLAG(maximize),    FLAG(master_weights)};
-}
-template <> Fields<mixprec::optim::FusedLAMBOptions> fields() {
-  using O = mixprec::optim::FusedLAMBOptions;
-  return {NUM(lr),
-          BETAS,
-          NUM(eps),
-          NUM(weight_decay),
-          FLAG(bias_correction),
-          FLAG(grad_averaging),
-          FLAG(adam_w_mode),
-          NUM(max_grad_norm),
-          FLAG(use_nvlamb),
-          FLAG(master_weights)};
-}
-template <> Fields<mixprec::optim::FusedNovoGradOptions> fields() {
-  using O = mixprec::optim::FusedNovoGradOptions;
-  return {NUM(lr),
-          BETAS,
-          NUM(eps),
-          NUM(weight_decay),
-          FLAG(bias_correction),
-          FLAG(grad_averaging),
-          FLAG(reg_inside_moment),
-          NUM(norm_type),
-          FLAG(init_zero),
-          FLAG(master_weights)};
-}
-#undef NUM
-#undef FLAG
-#undef BETAS
 
 template <class O> void apply(O& o, const Dict& values) {
-  static const Fields<O> table = fields<O>();
-  for (const auto& kv : values) {
-    const auto it = table.find(kv.key().toStringRef());
-    if (it == table.end()) throw std::runtime_error("conformance driver: unknown option " + kv.key().toStringRef());
-    it->second(o, kv.value());
-  }
+  for (const auto& kv : values) o.set_field(kv.key().toStringRef(), field_value(kv.value()));
 }
 
 // A family: how to build the optimizer from the scenario and set one group option by name.

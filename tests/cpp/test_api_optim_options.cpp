@@ -145,6 +145,64 @@ TEST(ApiOptimOptions, AnArchiveThatFailsToReadChangesNothing) {
   }
 }
 
+// ---- what a group names ------------------------------------------------------------------------
+// The Python front's rule (tests/conformance: the C++ front used to inherit a field a group named
+// at the class's default): a group keeps every field it named, whatever the value.
+TEST(ApiOptimOptions, AGroupKeepsWhatItNamesEvenAtTheClassDefault) {
+  const auto p = [] { return std::vector<at::Tensor>{torch::randn({3}).requires_grad_(true)}; };
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(p(), std::make_unique<FusedAdamOptions>(
+                               FusedAdamOptions().master_weights(false).weight_decay(0.0).betas({0.9, 0.999})));
+  groups.emplace_back(p(), std::make_unique<FusedAdamOptions>(FusedAdamOptions()));  // names nothing
+  groups.emplace_back(p(), std::make_unique<FusedAdamOptions>(FusedAdamOptions(1e-3)));
+  FusedAdam opt(groups, FusedAdamOptions(0.02).master_weights(true).weight_decay(0.05).betas({0.8, 0.95}));
+  const auto& named = static_cast<const FusedAdamOptions&>(opt.param_groups()[0].options());
+  EXPECT_FALSE(named.master_weights());
+  EXPECT_EQ(named.weight_decay(), 0.0);
+  EXPECT_EQ(named.betas(), std::make_tuple(0.9, 0.999));
+  EXPECT_EQ(named.lr(), 0.02) << "lr equal to the constructor's default is inherited (every constructor sets it)";
+  const auto& unnamed = static_cast<const FusedAdamOptions&>(opt.param_groups()[1].options());
+  EXPECT_TRUE(unnamed.master_weights());
+  EXPECT_EQ(unnamed.weight_decay(), 0.05);
+  EXPECT_EQ(unnamed.betas(), std::make_tuple(0.8, 0.95));
+  EXPECT_EQ(static_cast<const FusedAdamOptions&>(opt.param_groups()[2].options()).lr(), 0.02);
+  // FusedAdamWOptions' own defaults (weight_decay 1e-2) are not a group's choice: still inherited.
+  FusedAdamW w(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(
+                   p(), std::make_unique<FusedAdamWOptions>(FusedAdamWOptions()))},
+               FusedAdamWOptions().weight_decay(0.3));
+  EXPECT_EQ(static_cast<const FusedAdamOptions&>(w.param_groups()[0].options()).weight_decay(), 0.3);
+}
+
+TEST(ApiOptimOptions, SetFieldSetsAnyListedOptionByNameAndRefusesTheRestUnchanged) {
+  FusedLAMBOptions o;
+  o.set_field("max_grad_norm", c10::IValue(int64_t{2})).set_field("use_nvlamb", c10::IValue(true));
+  o.set_field("betas", c10::ivalue::Tuple::create({c10::IValue(0.5), c10::IValue(0.6)}));
+  EXPECT_EQ(o.max_grad_norm(), 2.0);
+  EXPECT_TRUE(o.use_nvlamb());
+  EXPECT_EQ(o.betas(), std::make_tuple(0.5, 0.6));
+  FusedAdamOptions a;
+  a.set_field("state_dtype", c10::IValue(static_cast<int64_t>(c10::kBFloat16)));
+  EXPECT_EQ(a.state_dtype(), c10::kBFloat16);
+  // Named: a group setting a field to its class default keeps it.
+  FusedLAMBOptions g;
+  g.set_field("weight_decay", c10::IValue(0.01));  // LAMB's own default
+  g.inherit_unset(FusedLAMBOptions().weight_decay(0.2), FusedLAMBOptions());
+  EXPECT_EQ(g.weight_decay(), 0.01);
+
+  const FusedLAMBOptions before = o;
+  expect_c10_error([&] { o.set_field("bogus", c10::IValue(1.0)); },
+                   {"FusedLAMBOptions.set_field: FusedLAMBOptions has no option 'bogus'"});
+  expect_c10_error([&] { o.set_field("eps", c10::IValue(std::string("small"))); },
+                   {"FusedLAMBOptions.set_field: 'eps' must be a number, got String"});
+  expect_c10_error([&] { o.set_field("use_nvlamb", c10::IValue(1.0)); }, {"'use_nvlamb' must be a bool"});
+  expect_c10_error([&] { o.set_field("betas", c10::IValue(0.5)); }, {"'betas' must be a tuple of two numbers"});
+  expect_c10_error([&] { a.set_field("state_dtype", c10::IValue(int64_t{999})); },
+                   {"'state_dtype' must be a dtype code, got 999"});
+  EXPECT_EQ(a.state_dtype(), c10::kBFloat16);
+  EXPECT_TRUE(o.same_but_lr(before));
+  EXPECT_EQ(o.eps(), before.eps());
+}
+
 // ---- checkpoints of earlier builds ------------------------------------------------------------
 #define EXPECT_SAME_FIELD(field) EXPECT_EQ(a->field(), b.field()) << #field
 

@@ -17,13 +17,6 @@ const LayerNormRunners kRunners{
     kernels::layer_norm_cuda_splits,
     [](const kernels::LayerNormBackwardParams& p) { kernels::layer_norm_backward_cuda(p, current_stream()); }};
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_forward_cuda(const at::Tensor& input,
-                                                                       const std::optional<at::Tensor>& weight,
-                                                                       const std::optional<at::Tensor>& bias,
-                                                                       double eps) {
-  return layer_norm_forward_impl(input, weight, bias, eps, kRunners);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(const at::Tensor& grad_out,
                                                                         const at::Tensor& input, const at::Tensor& mean,
                                                                         const at::Tensor& rstd,
@@ -40,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(const at
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mixprec, CUDA, m) {
-  m.impl("layer_norm_forward", &layer_norm_forward_cuda);
+  m.impl("layer_norm_forward", &layer_norm_forward_with<kRunners>);
   m.impl("layer_norm_backward", &layer_norm_backward_cuda);
 }
 

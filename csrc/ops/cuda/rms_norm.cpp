@@ -18,11 +18,6 @@ const RmsNormRunners kRunners{
     kernels::rms_norm_cuda_splits,
     [](const kernels::RmsNormBackwardParams& p) { kernels::rms_norm_backward_cuda(p, current_stream()); }};
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_forward_cuda(const at::Tensor& input, at::IntArrayRef normalized_shape,
-                                                         const std::optional<at::Tensor>& weight, double eps) {
-  return rms_norm_forward_impl(input, normalized_shape, weight, eps, kRunners);
-}
-
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_out, const at::Tensor& input,
                                                           at::IntArrayRef normalized_shape, const at::Tensor& rstd,
                                                           const std::optional<at::Tensor>& weight,
@@ -38,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
 }  // namespace
 
 TORCH_LIBRARY_IMPL(mixprec, CUDA, m) {
-  m.impl("rms_norm_forward", &rms_norm_forward_cuda);
+  m.impl("rms_norm_forward", &rms_norm_forward_with<kRunners>);
   m.impl("rms_norm_backward", &rms_norm_backward_cuda);
 }
 

@@ -73,6 +73,9 @@ class FusedOptions : public torch::optim::OptimizerOptions {
   // the optimizer's `defaults`: torch::optim's rule for its own optimizers from torch 2.10 on
   // (and Python's, where a group names only what differs). `defaults` and `fresh` are of this class.
   virtual void inherit_unset(const FusedOptions& defaults, const FusedOptions& fresh) = 0;
+  // Whether every field but lr equals `other`'s (of this class): step() rebuilds a group's lists
+  // and checks when its options change, and not when an LR scheduler changes only lr.
+  virtual bool same_but_lr(const FusedOptions& other) const = 0;
 };
 
 // The one-element float32 device scalars a GradScaler hands to a fused step.
@@ -146,9 +149,17 @@ class FusedOptimizer : public torch::optim::Optimizer {
   virtual const FusedOptions* cast_options(const torch::optim::OptimizerOptions& o) const = 0;
   // Creates the family's missing state tensors of `p` (the base makes the master).
   virtual void init_param_state(const at::Tensor& p, const FusedOptions& options, FusedParamState& state) = 0;
-  // Runs the op for group `index` over `params` (all with grads, on one device).
-  virtual void step_group(size_t index, const std::vector<at::Tensor>& params, const FusedOptions& options,
-                          const StepArgs& args) = 0;
+  // What step() hands a family for one group: the params that have a grad (all on one device),
+  // their grads, their masters ([] without master weights) and one list per state slot, in
+  // slots() order. Built once and reused while no tensor, member or option of the group changes.
+  struct GroupLists {
+    std::vector<at::Tensor> params, grads, masters;
+    std::vector<const char*> keys;  // the slots' keys
+    std::vector<std::vector<at::Tensor>> slots;
+    const std::vector<at::Tensor>& slot(const char* key) const;
+  };
+  // Runs the op for group `index` over `lists`.
+  virtual void step_group(size_t index, const GroupLists& lists, const FusedOptions& options, const StepArgs& args) = 0;
   // Around the group loop of step(): LAMB computes its global gradient norm here.
   virtual void begin_step() {}
   virtual void end_step() noexcept {}
@@ -192,8 +203,21 @@ class FusedOptimizer : public torch::optim::Optimizer {
   void ensure_state(const at::Tensor& p, const FusedOptions& options);
   void sync_group_slots() const;
   // Refuses what would make group `index`'s op throw half-way through step(): run for every group
-  // before any steps.
+  // before any steps (fused_optimizer_step.cpp), on what changed since the group's lists were built.
   void check_step_inputs(size_t index, const std::vector<at::Tensor>& params, const FusedOptions& options) const;
+  void check_grad(size_t index, size_t j, const at::Tensor& p) const;
+  // Each group's lists and what they were built from (fused_optimizer_step.cpp); dropped when
+  // load(), add_param_group() or set_master() change what a step reads.
+  struct StepPlans;
+  struct DeletePlans {
+    void operator()(StepPlans* plans) const;
+  };
+  std::unique_ptr<StepPlans, DeletePlans> plans_;
+  void forget_plans();
+  // Whether group `index`'s lists still hold; takes in (after check_grad) grads that changed.
+  bool plan_holds(size_t index, const FusedOptions& options);
+  // Group `index`'s lists from its checked params with grads, after creating missing state.
+  void build_plan(size_t index, const FusedOptions& options, std::vector<at::Tensor> with_grads);
 
   std::string name_;
   GradScaling scaling_;
@@ -256,5 +280,4 @@ template <class Options, class State> class FusedOptimizerOf : public FusedOptim
 #define MIXPREC_FUSED_OPTIMIZER_STEP()                                                                      \
  protected:                                                                                                 \
   void init_param_state(const at::Tensor& p, const FusedOptions& options, FusedParamState& state) override; \
-  void step_group(size_t index, const std::vector<at::Tensor>& params, const FusedOptions& options,         \
-                  const StepArgs& args) override;
+  void step_group(size_t index, const GroupLists& lists, const FusedOptions& options, const StepArgs& args) override;

@@ -3,12 +3,14 @@
 // Accessors, checkpoints, group inheritance and the op's Args struct all come from those lists.
 #pragma once
 
+#include <ATen/core/ivalue.h>
 #include <c10/core/ScalarType.h>
 #include <torch/arg.h>
 #include <torch/serialize/archive.h>
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -67,13 +69,30 @@ class FusedOptionsFor : public FusedOptions, public internal::BetasAccessor<Deri
   bool uses_master_weights() const override { return self().master_weights(); }
   void set_master_weights(bool on) override { self().master_weights(on); }
   bool uses_master_remainder() const override { return self().master_remainder(); }
-  // Field by field; betas as one value (both taken from the defaults, or neither), as
-  // torch::optim's tuple field is; lr only where Derived::lr_has_default.
+  // Field by field, the Python front's rule: a field this group named (through its setter) stays;
+  // one it did not name and left at the constructor's value comes from the defaults. betas as one
+  // value (both from the defaults, or neither), as torch::optim's tuple field. lr, which every
+  // constructor takes, comes from the defaults when equal to the constructor's default, and only
+  // where Derived::lr_has_default.
   void inherit_unset(const FusedOptions& defaults, const FusedOptions& fresh) override;
+  bool same_but_lr(const FusedOptions& other) const override;
+
+  // Sets the field `key` (its checkpoint key, or "betas") from a number, a bool, a dtype code or,
+  // for betas, a tuple of two numbers, as its setter does: for code that takes options by name
+  // (configs, tests/cpp/conformance_driver.cpp). An unknown key or a value of the wrong kind
+  // throws naming both and what was expected, and changes nothing.
+  Derived& set_field(const std::string& key, const c10::IValue& value);
 
   // Whether a group's lr left at the constructor's value is inherited (not for SGD, whose lr has
   // no default: torch::optim::SGDOptions' rule).
   static constexpr bool lr_has_default = true;
+
+ protected:
+  // Bit i: field i of for_each_field's order was named through its setter (see inherit_unset).
+  uint64_t named_ = 0;
+  void note_named(int field) { named_ |= uint64_t{1} << field; }
+  // For an options class whose constructor sets other defaults (FusedAdamWOptions): none named.
+  void forget_named() { named_ = 0; }
 
  private:
   Derived& self() { return static_cast<Derived&>(*this); }
@@ -82,8 +101,21 @@ class FusedOptionsFor : public FusedOptions, public internal::BetasAccessor<Deri
 
 }  // namespace mixprec::optim
 
-// One field: TORCH_ARG's accessors (o.eps(1e-6) sets and chains, o.eps() reads) with its default.
-#define MIXPREC_OPTIONS_ACCESSORS(type, field, default_value) TORCH_ARG(type, field) = default_value;
+// One field: TORCH_ARG's accessors (o.eps(1e-6) sets and chains, o.eps() reads) with its default;
+// the setter also records that the field was named (a write through the non-const getter does not).
+#define MIXPREC_OPTIONS_ACCESSORS(type, field, default_value)   \
+ public:                                                        \
+  auto field(const type& new_value) -> decltype(*this) {        \
+    this->field##_ = new_value;                                 \
+    this->note_named(kField_##field);                           \
+    return *this;                                               \
+  }                                                             \
+  const type& field() const noexcept { return this->field##_; } \
+  type& field() noexcept { return this->field##_; }             \
+                                                                \
+ private:                                                       \
+  type field##_ = default_value;
+#define MIXPREC_OPTIONS_INDEX(type, field, default_value) kField_##field,
 // for_each_field's visit of one field: its checkpoint key, its member, and the op's member or null.
 #define MIXPREC_OPTIONS_VISIT_ARG(type, field, default_value) f(#field, &Self::field##_, &args_type::field);
 #define MIXPREC_OPTIONS_VISIT_OWN(type, field, default_value) f(#field, &Self::field##_, nullptr);
@@ -91,14 +123,16 @@ class FusedOptionsFor : public FusedOptions, public internal::BetasAccessor<Deri
 // In the body of a family's options class `Self` (derived from FusedOptionsFor<Self, Args>): the
 // fields of the op's list ARGS and of the option-only list OWN (X-macros of X(type, name,
 // default)), and for_each_field, through which FusedOptionsFor reaches all of them.
-#define MIXPREC_FUSED_OPTIONS_FIELDS(Self_, ARGS, OWN)           \
-  ARGS(MIXPREC_OPTIONS_ACCESSORS)                                \
-  OWN(MIXPREC_OPTIONS_ACCESSORS)                                 \
-                                                                 \
- public:                                                         \
-  static constexpr const char* options_name() { return #Self_; } \
-  template <class F> static void for_each_field(F&& f) {         \
-    using Self = Self_;                                          \
-    ARGS(MIXPREC_OPTIONS_VISIT_ARG)                              \
-    OWN(MIXPREC_OPTIONS_VISIT_OWN)                               \
+#define MIXPREC_FUSED_OPTIONS_FIELDS(Self_, ARGS, OWN)                              \
+  ARGS(MIXPREC_OPTIONS_ACCESSORS)                                                   \
+  OWN(MIXPREC_OPTIONS_ACCESSORS)                                                    \
+  enum : int { ARGS(MIXPREC_OPTIONS_INDEX) OWN(MIXPREC_OPTIONS_INDEX) kNumFields }; \
+  static_assert(kNumFields <= 64, "named_ holds one bit per field");                \
+                                                                                    \
+ public:                                                                            \
+  static constexpr const char* options_name() { return #Self_; }                    \
+  template <class F> static void for_each_field(F&& f) {                            \
+    using Self = Self_;                                                             \
+    ARGS(MIXPREC_OPTIONS_VISIT_ARG)                                                 \
+    OWN(MIXPREC_OPTIONS_VISIT_OWN)                                                  \
   }

@@ -1,0 +1,285 @@
+// FusedOptimizer::step (include/mixprec/optim/fused_optimizer.h): every group checked before any
+// steps, with each group's lists (params, grads, masters, state) built once and reused while
+// nothing they were built from changes, so a step's host work is comparisons, not rebuilding.
+#include <mixprec/optim/fused_optimizer.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
+#include <torch/utils.h>
+
+#include <cstring>
+#include <typeinfo>
+#include <utility>
+
+#include "api/api_util.h"
+
+namespace mixprec::optim {
+
+using detail::api::group_where;
+using detail::api::param_where;
+using detail::api::same_layout;
+using detail::api::state_where;
+
+namespace {
+
+// Everything a check of one tensor read: identity, storage, dtype, device, shape and strides. A
+// tensor matching its key passes every check it passed when the key was taken; so does another
+// tensor reusing a freed one's address with all of these equal (the checks read nothing else).
+struct TensorKey {
+  const c10::TensorImpl* impl = nullptr;
+  bool dense = false;  // undefined or strided: a sparse tensor (a refused grad) never matches
+  const void* data = nullptr;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::Device device{c10::kCPU};
+  c10::SmallVector<int64_t, 4> sizes, strides;
+
+  TensorKey() = default;
+  explicit TensorKey(const at::Tensor& t) : impl(t.unsafeGetTensorImpl()) {
+    if (t.defined() && t.layout() != at::kStrided) return;
+    dense = true;
+    if (!t.defined()) return;
+    data = t.const_data_ptr();
+    dtype = t.scalar_type();
+    device = t.device();
+    sizes.assign(t.sizes().begin(), t.sizes().end());
+    strides.assign(t.strides().begin(), t.strides().end());
+  }
+
+  bool matches(const at::Tensor& t) const {
+    if (!dense || t.unsafeGetTensorImpl() != impl) return false;
+    if (!t.defined()) return true;  // the undefined tensor's impl is one singleton
+    return t.const_data_ptr() == data && t.scalar_type() == dtype && t.device() == device &&
+           t.sizes() == c10::IntArrayRef(sizes) && t.strides() == c10::IntArrayRef(strides);
+  }
+};
+
+}  // namespace
+
+// Per group: its lists and the keys of everything they and its checks were built from.
+struct FusedOptimizer::StepPlans {
+  struct Group {
+    bool built = false;
+    std::unique_ptr<torch::optim::OptimizerOptions> options;  // a copy; lr may differ
+    const FusedOptions* planned = nullptr;                    // *options as the family's class
+    std::vector<const c10::TensorImpl*> members;              // every param of the group, in order
+    std::vector<size_t> with_grad;                            // positions of the params with a grad
+    struct Entry {
+      TensorKey param, grad;
+      const torch::optim::OptimizerParamState* state;  // the object the slots point into
+      const std::type_info* state_type;
+      std::vector<at::Tensor*> slots;
+      std::vector<TensorKey> slot_keys;
+    };
+    std::vector<Entry> entries;
+    GroupLists lists;
+  };
+  std::vector<Group> groups;
+};
+
+void FusedOptimizer::DeletePlans::operator()(StepPlans* plans) const { delete plans; }
+
+void FusedOptimizer::forget_plans() { plans_.reset(); }
+
+const std::vector<at::Tensor>& FusedOptimizer::GroupLists::slot(const char* key) const {
+  for (size_t i = 0; i < keys.size(); ++i)
+    if (std::strcmp(keys[i], key) == 0) return slots[i];
+  TORCH_CHECK(false, "mixprec::optim: no state slot '", key, "'");
+  return slots[0];  // unreachable: the check above throws
+}
+
+// ---- checks ----------------------------------------------------------------------------------
+void FusedOptimizer::check_grad(size_t index, size_t j, const at::Tensor& p) const {
+  const auto op_dtype = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
+  const at::Tensor& g = p.grad();
+  TORCH_CHECK(!g.is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(index), ")");
+  TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), param_where(name_, index, j), ".grad has dtype ", g.scalar_type(),
+                   "; expected float32, float16 or bfloat16");
+  TORCH_CHECK_VALUE(g.device() == p.device(), param_where(name_, index, j), ".grad is on ", g.device().str(),
+                    "; expected the parameter's ", p.device().str());
+  TORCH_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ", detail::shape(g.sizes()),
+                    "; expected the parameter's ", detail::shape(p.sizes()));
+  TORCH_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ", detail::shape(g.strides()),
+                    "; expected the parameter's layout, strides ", detail::shape(p.strides()),
+                    " (as autograd lays out gradients)");
+}
+
+void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tensor>& params,
+                                       const FusedOptions& options) const {
+  // What the op itself would refuse, checked for every group before the first op runs: the op's
+  // own checks come one group at a time, after earlier groups have stepped. Messages are built
+  // only on failure.
+  const auto op_dtype = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
+  for (size_t j = 0; j < params.size(); ++j) {
+    const at::Tensor& p = params[j];
+    TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
+                     "; expected float32, float16 or bfloat16");
+    TORCH_CHECK_VALUE(
+        !options.uses_master_weights() || !options.uses_master_remainder() || p.scalar_type() == at::kBFloat16,
+        param_where(name_, index, j), " is ", p.scalar_type(),
+        ": master_remainder needs bfloat16 params (put others in a group of their own)");
+    TORCH_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
+                      detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
+                      ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "
+                      "any permutation of dimensions)");
+    check_grad(index, j, p);
+    const auto it = state_.find(p.unsafeGetTensorImpl());
+    auto* s = it == state_.end() ? nullptr : dynamic_cast<FusedParamState*>(it->second.get());
+    if (s == nullptr) continue;
+    for (const auto& slot : s->slots()) {
+      const at::Tensor& t = *slot.second;
+      if (!t.defined()) continue;
+      // float32 of the param's shape passes every family's rule; anything else gets the full check
+      // (the family's own rule, e.g. bfloat16 Adam moments) that load() applies.
+      if (t.scalar_type() != at::kFloat || t.sizes() != p.sizes()) {
+        checked_slot(state_where(name_, index, j, slot.first), slot.first, t, p, options);
+      }
+      TORCH_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ", t.device().str(),
+                        "; expected the parameter's ", p.device().str());
+      TORCH_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
+                        detail::shape(t.strides()), "; expected the parameter's layout, strides ",
+                        detail::shape(p.strides()));
+    }
+  }
+}
+
+// ---- the lists -------------------------------------------------------------------------------
+bool FusedOptimizer::plan_holds(size_t index, const FusedOptions& options) {
+  StepPlans::Group& plan = plans_->groups[index];
+  plan.lists.grads.clear();
+  if (!plan.built || !options.same_but_lr(*plan.planned)) return false;
+  const auto& params = param_groups_[index].params();
+  if (params.size() != plan.members.size()) return false;
+  size_t k = 0;
+  for (size_t j = 0; j < params.size(); ++j) {
+    const at::Tensor& p = params[j];
+    if (p.unsafeGetTensorImpl() != plan.members[j]) return false;
+    const at::Tensor& g = p.grad();
+    const bool planned_grad = k < plan.with_grad.size() && plan.with_grad[k] == j;
+    if (g.defined() != planned_grad) return false;
+    if (!planned_grad) continue;
+    StepPlans::Group::Entry& e = plan.entries[k];
+    if (!e.param.matches(p)) return false;
+    // The state object is looked up each step: the map is public (Optimizer::state()), so an
+    // entry may have been replaced, and the slot pointers are only valid into the planned one.
+    const auto it = state_.find(p.unsafeGetTensorImpl());
+    if (it == state_.end() || it->second.get() != e.state || typeid(*it->second) != *e.state_type) return false;
+    for (size_t s = 0; s < e.slots.size(); ++s)
+      if (!e.slot_keys[s].matches(*e.slots[s])) return false;
+    if (!e.grad.matches(g)) {  // a new grad each step after zero_grad(set_to_none): its checks only
+      check_grad(index, k, p);
+      e.grad = TensorKey(g);
+    }
+    plan.lists.grads.push_back(g);
+    ++k;
+  }
+  return k == plan.with_grad.size();
+}
+
+void FusedOptimizer::build_plan(size_t index, const FusedOptions& options, std::vector<at::Tensor> with_grads) {
+  StepPlans::Group& plan = plans_->groups[index];
+  plan = StepPlans::Group{};
+  for (const auto& p : with_grads) ensure_state(p, options);
+  const auto& params = param_groups_[index].params();
+  for (size_t j = 0, k = 0; j < params.size(); ++j) {
+    plan.members.push_back(params[j].unsafeGetTensorImpl());
+    if (k < with_grads.size() && params[j].unsafeGetTensorImpl() == with_grads[k].unsafeGetTensorImpl()) {
+      plan.with_grad.push_back(j);
+      ++k;
+    }
+  }
+  GroupLists& l = plan.lists;
+  l.masters = masters(with_grads, options);
+  for (const auto& p : with_grads) {
+    FusedParamState& s = state_of(p);
+    const auto slots = s.slots();
+    if (l.keys.empty()) {
+      for (const auto& slot : slots) l.keys.push_back(slot.first);
+      l.slots.resize(slots.size());
+    }
+    StepPlans::Group::Entry e{TensorKey(p), TensorKey(p.grad()), &s, &typeid(s), {}, {}};
+    for (size_t i = 0; i < slots.size(); ++i) {
+      e.slots.push_back(slots[i].second);
+      e.slot_keys.emplace_back(*slots[i].second);
+      l.slots[i].push_back(*slots[i].second);
+    }
+    plan.entries.push_back(std::move(e));
+    l.grads.push_back(p.grad());
+  }
+  if (l.keys.empty()) {  // no param with a grad: the slot lists are there, empty
+    for (const auto& slot : make_state()->slots()) l.keys.push_back(slot.first);
+    l.slots.resize(l.keys.size());
+  }
+  l.params = std::move(with_grads);
+  plan.options = options.clone();
+  plan.planned = cast_options(*plan.options);
+  plan.built = true;
+}
+
+// ---- step -------------------------------------------------------------------------------------
+torch::Tensor FusedOptimizer::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  at::Tensor loss;
+  if (closure) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  sync_group_slots();
+  if (!plans_) plans_.reset(new StepPlans());
+  std::vector<StepPlans::Group>& plans = plans_->groups;
+  plans.resize(param_groups_.size());
+  // The lists hold this step's grads only while it runs: zero_grad(set_to_none) frees them after.
+  struct ReleaseGrads {
+    std::vector<StepPlans::Group>& plans;
+    ~ReleaseGrads() {
+      for (auto& plan : plans) plan.lists.grads.clear();
+    }
+  } release_grads{plans};
+
+  // Every group is checked before any op runs: a bad group leaves all of them as they were.
+  // Options are checked every step (an LR scheduler may have set any lr); the tensors only where
+  // something changed since the group's lists were built.
+  std::vector<const FusedOptions*> options(param_groups_.size());
+  std::vector<std::pair<size_t, std::vector<at::Tensor>>> rebuild;
+  for (size_t i = 0; i < param_groups_.size(); ++i) {
+    const FusedOptions& o = options_of(i);
+    options[i] = &o;
+    o.check(group_where(name_, i));
+    if (plan_holds(i, o)) continue;
+    plans[i].built = false;
+    std::vector<at::Tensor> with_grads;
+    for (const auto& p : param_groups_[i].params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK(!p.grad().is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(i),
+                  ")");
+      if (!with_grads.empty())
+        TORCH_CHECK_VALUE(p.device() == with_grads[0].device(), group_where(name_, i), " mixes devices (",
+                          with_grads[0].device(), " and ", p.device(), "); put each device's params in its own group");
+      with_grads.push_back(p);
+    }
+    check_step_inputs(i, with_grads, o);
+    rebuild.emplace_back(i, std::move(with_grads));
+  }
+  for (auto& r : rebuild) build_plan(r.first, *options[r.first], std::move(r.second));
+
+  begin_step();
+  struct EndStep {
+    FusedOptimizer* self;
+    ~EndStep() { self->end_step(); }
+  } end_step_guard{this};
+  for (size_t i = 0; i < param_groups_.size(); ++i) {
+    const GroupLists& l = plans[i].lists;
+    if (l.params.empty()) continue;
+    const at::Device device = l.params[0].device();
+    StepArgs args;
+    args.lr = options[i]->get_lr();
+    args.step_tensor = step_tensor_for(i, device);
+    const GradScaling s = scaling_on(device);
+    args.grad_scale = s.grad_scale;
+    args.found_inf = s.found_inf;
+    step_group(i, l, *options[i], args);
+  }
+  return loss;
+}
+
+}  // namespace mixprec::optim
