@@ -53,10 +53,10 @@ std::unique_ptr<torch::optim::OptimizerOptions> FusedOptimizer::completed_option
     const torch::optim::OptimizerOptions& given, size_t group) const {
   std::unique_ptr<torch::optim::OptimizerOptions> out = given.clone();
   auto* o = const_cast<FusedOptions*>(cast_options(*out));
-  TORCH_CHECK_TYPE(o != nullptr, group_where(name_, group),
-                   " has options of another optimizer; give each group this optimizer's options class");
+  MIXPREC_CHECK_TYPE(o != nullptr, group_where(name_, group),
+                     " has options of another optimizer; give each group this optimizer's options class");
   const FusedOptions* d = cast_options(*defaults_);
-  TORCH_CHECK_TYPE(d != nullptr, name_, ": the default options are of the wrong class");
+  MIXPREC_CHECK_TYPE(d != nullptr, name_, ": the default options are of the wrong class");
   o->inherit_unset(*d, *make_options());
   o->check(group_where(name_, group));
   return out;
@@ -64,7 +64,7 @@ std::unique_ptr<torch::optim::OptimizerOptions> FusedOptimizer::completed_option
 
 void FusedOptimizer::finish_construction() {
   const FusedOptions* d = cast_options(*defaults_);
-  TORCH_CHECK_TYPE(d != nullptr, name_, ": the default options are of the wrong class");
+  MIXPREC_CHECK_TYPE(d != nullptr, name_, ": the default options are of the wrong class");
   d->check(name_ + ": defaults");
   for (auto& pending : pending_options_)
     param_groups_[pending.first].set_options(completed_options(*pending.second, pending.first));
@@ -80,13 +80,13 @@ void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& pa
 }
 
 const FusedOptions& FusedOptimizer::options_of(size_t group) const {
-  TORCH_CHECK_INDEX(group < param_groups_.size(), name_, ": no param group ", detail::num(group), " (there are ",
-                    detail::num(param_groups_.size()), ")");
+  MIXPREC_CHECK_INDEX(group < param_groups_.size(), name_, ": no param group ", detail::num(group), " (there are ",
+                      detail::num(param_groups_.size()), ")");
   const auto& g = param_groups_[group];
-  TORCH_CHECK(g.has_options(), group_where(name_, group), " has no options");
+  MIXPREC_CHECK(g.has_options(), group_where(name_, group), " has no options");
   const FusedOptions* o = cast_options(g.options());
-  TORCH_CHECK_TYPE(o != nullptr, group_where(name_, group),
-                   " has options of another optimizer; give each group this optimizer's options class");
+  MIXPREC_CHECK_TYPE(o != nullptr, group_where(name_, group),
+                     " has options of another optimizer; give each group this optimizer's options class");
   return *o;
 }
 
@@ -94,13 +94,13 @@ FusedParamState& FusedOptimizer::state_of(const at::Tensor& p) {
   auto& slot = state_[p.unsafeGetTensorImpl()];
   if (!slot) slot = make_state();
   auto* s = dynamic_cast<FusedParamState*>(slot.get());
-  TORCH_CHECK(s != nullptr, name_, ": a parameter's state is not this optimizer's");
+  MIXPREC_CHECK(s != nullptr, name_, ": a parameter's state is not this optimizer's");
   return *s;
 }
 
 at::Tensor& FusedOptimizer::group_tensor(size_t group, const std::string& key) {
   sync_group_slots();
-  TORCH_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
+  MIXPREC_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
   return group_tensors_[group][key];
 }
 
@@ -111,7 +111,7 @@ void FusedOptimizer::sync_group_slots() const {
 
 at::Tensor FusedOptimizer::step_count_tensor(size_t group) const {
   sync_group_slots();
-  TORCH_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
+  MIXPREC_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
   const auto it = group_tensors_[group].find("step");
   return it == group_tensors_[group].end() ? at::Tensor() : it->second;
 }
@@ -176,7 +176,7 @@ std::vector<at::Tensor> FusedOptimizer::master_params() const {
 
 void FusedOptimizer::set_master_weights(bool on) {
   auto* d = const_cast<FusedOptions*>(cast_options(*defaults_));
-  TORCH_CHECK(d != nullptr, name_, ": the default options are of the wrong class");
+  MIXPREC_CHECK(d != nullptr, name_, ": the default options are of the wrong class");
   d->set_master_weights(on);
   for (size_t i = 0; i < param_groups_.size(); ++i) const_cast<FusedOptions&>(options_of(i)).set_master_weights(on);
 }
@@ -185,11 +185,11 @@ void FusedOptimizer::set_master(const at::Tensor& param, const at::Tensor& maste
   bool found = false;
   for (const auto& g : param_groups_)
     for (const auto& p : g.params()) found = found || p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl();
-  TORCH_CHECK_VALUE(found, name_, ".set_master: the tensor is not a parameter of this optimizer");
-  TORCH_CHECK_TYPE(master.scalar_type() == at::kFloat, name_, ".set_master: a master must be float32, got ",
-                   master.scalar_type());
-  TORCH_CHECK_VALUE(master.sizes() == param.sizes(), name_, ".set_master: the master has shape ",
-                    detail::shape(master.sizes()), " but the parameter has ", detail::shape(param.sizes()));
+  MIXPREC_CHECK_VALUE(found, name_, ".set_master: the tensor is not a parameter of this optimizer");
+  MIXPREC_CHECK_TYPE(master.scalar_type() == at::kFloat, name_, ".set_master: a master must be float32, got ",
+                     master.scalar_type());
+  MIXPREC_CHECK_VALUE(master.sizes() == param.sizes(), name_, ".set_master: the master has shape ",
+                      detail::shape(master.sizes()), " but the parameter has ", detail::shape(param.sizes()));
   state_of(param).master_param(detail::api::copy_in_layout_of(master.detach(), param));
 }
 
@@ -218,21 +218,21 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
   for (size_t j = 0; j < params.size(); ++j) {
     const at::Tensor& p = params[j];
     const at::Tensor& g = p.grad();
-    TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
-                     "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
-                      detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
-                      ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "
-                      "any permutation of dimensions)");
-    TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), param_where(name_, index, j), ".grad has dtype ", g.scalar_type(),
-                     "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(g.device() == p.device(), param_where(name_, index, j), ".grad is on ", g.device().str(),
-                      "; expected the parameter's ", p.device().str());
-    TORCH_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ",
-                      detail::shape(g.sizes()), "; expected the parameter's ", detail::shape(p.sizes()));
-    TORCH_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ", detail::shape(g.strides()),
-                      "; expected the parameter's layout, strides ", detail::shape(p.strides()),
-                      " (as autograd lays out gradients)");
+    MIXPREC_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
+                       "; expected float32, float16 or bfloat16");
+    MIXPREC_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
+                        detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
+                        ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "
+                        "any permutation of dimensions)");
+    MIXPREC_CHECK_TYPE(op_dtype(g.scalar_type()), param_where(name_, index, j), ".grad has dtype ", g.scalar_type(),
+                       "; expected float32, float16 or bfloat16");
+    MIXPREC_CHECK_VALUE(g.device() == p.device(), param_where(name_, index, j), ".grad is on ", g.device().str(),
+                        "; expected the parameter's ", p.device().str());
+    MIXPREC_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ",
+                        detail::shape(g.sizes()), "; expected the parameter's ", detail::shape(p.sizes()));
+    MIXPREC_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ",
+                        detail::shape(g.strides()), "; expected the parameter's layout, strides ",
+                        detail::shape(p.strides()), " (as autograd lays out gradients)");
     const auto it = state_.find(p.unsafeGetTensorImpl());
     auto* s = it == state_.end() ? nullptr : dynamic_cast<FusedParamState*>(it->second.get());
     if (s == nullptr) continue;
@@ -244,11 +244,11 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
       if (t.scalar_type() != at::kFloat || t.sizes() != p.sizes()) {
         checked_slot(state_where(name_, index, j, slot.first), slot.first, t, p, options);
       }
-      TORCH_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ", t.device().str(),
-                        "; expected the parameter's ", p.device().str());
-      TORCH_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
-                        detail::shape(t.strides()), "; expected the parameter's layout, strides ",
-                        detail::shape(p.strides()));
+      MIXPREC_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ",
+                          t.device().str(), "; expected the parameter's ", p.device().str());
+      MIXPREC_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
+                          detail::shape(t.strides()), "; expected the parameter's layout, strides ",
+                          detail::shape(p.strides()));
     }
   }
 }
@@ -274,11 +274,11 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     Work w{i, &o, {}};
     for (const auto& p : param_groups_[i].params()) {
       if (!p.grad().defined()) continue;
-      TORCH_CHECK(!p.grad().is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(i),
-                  ")");
+      MIXPREC_CHECK(!p.grad().is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(i),
+                    ")");
       if (!w.params.empty())
-        TORCH_CHECK_VALUE(p.device() == w.params[0].device(), group_where(name_, i), " mixes devices (",
-                          w.params[0].device(), " and ", p.device(), "); put each device's params in its own group");
+        MIXPREC_CHECK_VALUE(p.device() == w.params[0].device(), group_where(name_, i), " mixes devices (",
+                            w.params[0].device(), " and ", p.device(), "); put each device's params in its own group");
       w.params.push_back(p);
     }
     check_step_inputs(i, w.params, o);

@@ -34,8 +34,8 @@ inline void read_into(torch::serialize::InputArchive& a, const char* key, const 
                       c10::ScalarType& v) {
   const int64_t code = read_int(a, key, where);
   // Only codes of real dtypes become a ScalarType; which dtypes a family allows is check()'s.
-  TORCH_CHECK_VALUE(code >= 0 && code < static_cast<int64_t>(c10::ScalarType::NumOptions), where, ": '", key,
-                    "' must be a dtype code, got ", mixprec::detail::num(code));
+  MIXPREC_CHECK_VALUE(code >= 0 && code < static_cast<int64_t>(c10::ScalarType::NumOptions), where, ": '", key,
+                      "' must be a dtype code, got ", mixprec::detail::num(code));
   v = static_cast<c10::ScalarType>(code);
 }
 
