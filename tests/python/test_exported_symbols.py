@@ -26,7 +26,8 @@ def dynamic_symbols(path, *flags: str) -> set[str]:
     if nm is None:
         pytest.skip("nm (binutils) is not installed")
     out = subprocess.run([nm, "-D", "-C", *flags, str(path)], check=True, capture_output=True, text=True).stdout
-    return {line.split(" ", 2)[-1] for line in out.splitlines() if line.strip()}
+    # "<address> T name" for defined symbols, "         U name" (no address) for undefined ones.
+    return {m.group(1) for m in re.finditer(r"^\s*(?:[0-9a-f]+ )?\S (.+)$", out, re.M)}
 
 
 @pytest.fixture(scope="module")
