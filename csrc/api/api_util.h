@@ -19,23 +19,23 @@ namespace mixprec::detail::api {
 inline c10::IValue read_ivalue(torch::serialize::InputArchive& archive, const std::string& key,
                                const std::string& where) {
   c10::IValue v;
-  TORCH_CHECK_VALUE(archive.try_read(key, v), where, ": the checkpoint has no '", key, "'");
+  MIXPREC_CHECK_VALUE(archive.try_read(key, v), where, ": the checkpoint has no '", key, "'");
   return v;
 }
 
 // A value of `key` as a number, an integer or a bool; errors name `where` and the key.
 inline double ivalue_double(const c10::IValue& v, const std::string& key, const std::string& where) {
-  TORCH_CHECK_VALUE(v.isDouble() || v.isInt(), where, ": '", key, "' must be a number, got ", v.tagKind());
+  MIXPREC_CHECK_VALUE(v.isDouble() || v.isInt(), where, ": '", key, "' must be a number, got ", v.tagKind());
   return v.isDouble() ? v.toDouble() : static_cast<double>(v.toInt());
 }
 
 inline int64_t ivalue_int(const c10::IValue& v, const std::string& key, const std::string& where) {
-  TORCH_CHECK_VALUE(v.isInt(), where, ": '", key, "' must be an integer, got ", v.tagKind());
+  MIXPREC_CHECK_VALUE(v.isInt(), where, ": '", key, "' must be an integer, got ", v.tagKind());
   return v.toInt();
 }
 
 inline bool ivalue_bool(const c10::IValue& v, const std::string& key, const std::string& where) {
-  TORCH_CHECK_VALUE(v.isBool(), where, ": '", key, "' must be a bool, got ", v.tagKind());
+  MIXPREC_CHECK_VALUE(v.isBool(), where, ": '", key, "' must be a bool, got ", v.tagKind());
   return v.toBool();
 }
 
@@ -54,7 +54,7 @@ inline bool read_bool(torch::serialize::InputArchive& archive, const std::string
 inline std::string read_string(torch::serialize::InputArchive& archive, const std::string& key,
                                const std::string& where) {
   const c10::IValue v = read_ivalue(archive, key, where);
-  TORCH_CHECK_VALUE(v.isString(), where, ": '", key, "' must be a string, got ", v.tagKind());
+  MIXPREC_CHECK_VALUE(v.isString(), where, ": '", key, "' must be a string, got ", v.tagKind());
   return v.toStringRef();
 }
 
@@ -103,13 +103,14 @@ inline at::Tensor copy_in_layout_of(const at::Tensor& t, const at::Tensor& like)
 
 // Hyper-parameter checks with the Python front's rules; errors name `where` and the field.
 inline void check_finite_nonneg(const std::string& where, const char* name, double v) {
-  TORCH_CHECK_VALUE(std::isfinite(v) && v >= 0, where, ": invalid ", name, " ", num(v), "; it must be finite and >= 0");
+  MIXPREC_CHECK_VALUE(std::isfinite(v) && v >= 0, where, ": invalid ", name, " ", num(v),
+                      "; it must be finite and >= 0");
 }
 
 inline void check_betas(const std::string& where, const std::tuple<double, double>& betas) {
   const double b1 = std::get<0>(betas), b2 = std::get<1>(betas);
-  TORCH_CHECK_VALUE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, where, ": invalid betas (", num(b1), ", ", num(b2),
-                    "); each must be in [0, 1)");
+  MIXPREC_CHECK_VALUE(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1, where, ": invalid betas (", num(b1), ", ", num(b2),
+                      "); each must be in [0, 1)");
 }
 
 }  // namespace mixprec::detail::api

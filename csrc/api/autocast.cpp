@@ -5,18 +5,20 @@
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 
+#include "ops/format.h"  // MIXPREC_CHECK*
+
 namespace mixprec::amp {
 
 AutocastGuard::AutocastGuard(c10::DeviceType device_type, std::optional<c10::ScalarType> dtype, bool enabled,
                              std::optional<bool> cache_enabled)
     : device_type_(device_type) {
   // Everything is checked before any state changes, so a failed construction changes nothing.
-  TORCH_CHECK_VALUE(at::autocast::is_autocast_available(device_type),
-                    "mixprec::amp::AutocastGuard: autocast is not available for device type ",
-                    c10::DeviceTypeName(device_type, /*lower_case=*/true));
+  MIXPREC_CHECK_VALUE(at::autocast::is_autocast_available(device_type),
+                      "mixprec::amp::AutocastGuard: autocast is not available for device type ",
+                      c10::DeviceTypeName(device_type, /*lower_case=*/true));
   const c10::ScalarType d = dtype.value_or(at::autocast::get_autocast_dtype(device_type));
-  TORCH_CHECK_VALUE(d == c10::kHalf || d == c10::kBFloat16, "mixprec::amp::AutocastGuard: dtype must be float16 or ",
-                    "bfloat16, got ", d);
+  MIXPREC_CHECK_VALUE(d == c10::kHalf || d == c10::kBFloat16, "mixprec::amp::AutocastGuard: dtype must be float16 or ",
+                      "bfloat16, got ", d);
   prev_enabled_ = at::autocast::is_autocast_enabled(device_type);
   prev_dtype_ = at::autocast::get_autocast_dtype(device_type);
   prev_cache_enabled_ = at::autocast::is_autocast_cache_enabled();

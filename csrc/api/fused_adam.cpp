@@ -24,8 +24,8 @@ void FusedAdamOptions::check(const std::string& where) const {
   check_finite_nonneg(where, "eps", eps());
   check_betas(where, betas());
   check_finite_nonneg(where, "weight_decay", weight_decay());
-  TORCH_CHECK_VALUE(state_dtype() == c10::kFloat || state_dtype() == c10::kBFloat16, where,
-                    ": state_dtype must be float32 or bfloat16, got ", c10::toString(state_dtype()));
+  MIXPREC_CHECK_VALUE(state_dtype() == c10::kFloat || state_dtype() == c10::kBFloat16, where,
+                      ": state_dtype must be float32 or bfloat16, got ", c10::toString(state_dtype()));
 }
 
 // ---- optimizer ---------------------------------------------------------------------------------
@@ -49,8 +49,8 @@ std::unique_ptr<FusedOptions> FusedAdamW::make_options() const { return std::mak
 const FusedOptions* FusedAdam::cast_options(const torch::optim::OptimizerOptions& o) const {
   const auto* a = static_cast<const FusedAdamOptions*>(FusedOptimizerOf::cast_options(o));
   // FusedAdamW is AdamW: a group asking for L2 decay is a mistake worth stopping at.
-  TORCH_CHECK_VALUE(a == nullptr || !decoupled_only_ || a->adam_w_mode(), name(),
-                    ": adam_w_mode must stay true (use FusedAdam for Adam's L2 weight decay)");
+  MIXPREC_CHECK_VALUE(a == nullptr || !decoupled_only_ || a->adam_w_mode(), name(),
+                      ": adam_w_mode must stay true (use FusedAdam for Adam's L2 weight decay)");
   return a;
 }
 
@@ -74,8 +74,8 @@ at::Tensor FusedAdam::checked_state_tensor(const std::string& where, const std::
   // Moments may be bfloat16 (state_dtype); the op wants all three of a param in one dtype, so
   // they are converted to the group's state_dtype.
   const auto& o = options_as(options);
-  TORCH_CHECK_TYPE(value.scalar_type() == at::kFloat || value.scalar_type() == at::kBFloat16, where,
-                   " must be float32 or bfloat16, got ", value.scalar_type());
+  MIXPREC_CHECK_TYPE(value.scalar_type() == at::kFloat || value.scalar_type() == at::kBFloat16, where,
+                     " must be float32 or bfloat16, got ", value.scalar_type());
   return value.to(o.state_dtype());
 }
 

@@ -20,8 +20,8 @@ void FusedLAMBOptions::check(const std::string& where) const {
   check_finite_nonneg(where, "eps", eps());
   check_betas(where, betas());
   check_finite_nonneg(where, "weight_decay", weight_decay());
-  TORCH_CHECK_VALUE(max_grad_norm() >= 0, where, ": invalid max_grad_norm ", detail::num(max_grad_norm()),
-                    "; it must be >= 0 (0 or inf: no clipping)");
+  MIXPREC_CHECK_VALUE(max_grad_norm() >= 0, where, ": invalid max_grad_norm ", detail::num(max_grad_norm()),
+                      "; it must be >= 0 (0 or inf: no clipping)");
 }
 
 bool FusedLAMBOptions::clips() const { return max_grad_norm() > 0 && std::isfinite(max_grad_norm()); }
@@ -81,7 +81,7 @@ void FusedLAMB::step_group(size_t, const GroupLists& l, const FusedOptions& opti
   if (o.clips()) {
     for (const auto& e : grad_norms_)
       if (e.first == l.params[0].device()) global_grad_norm = e.second;
-    TORCH_CHECK(global_grad_norm.has_value(), name(), ": the global gradient norm is computed in step()");
+    MIXPREC_CHECK(global_grad_norm.has_value(), name(), ": the global gradient norm is computed in step()");
   }
   mixprec::lamb_(l.params, l.grads, l.slot("exp_avg"), l.slot("exp_avg_sq"), l.masters, o.args(), args,
                  global_grad_norm);

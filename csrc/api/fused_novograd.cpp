@@ -26,8 +26,8 @@ void FusedNovoGradOptions::check(const std::string& where) const {
   check_betas(where, betas());
   check_finite_nonneg(where, "weight_decay", weight_decay());
   const double n = norm_type();
-  TORCH_CHECK_VALUE(n == 2 || n == 0 || (std::isinf(n) && n > 0), where,
-                    ": norm_type must be 2 (L2) or 0 (infinity norm; inf also works), got ", detail::num(n));
+  MIXPREC_CHECK_VALUE(n == 2 || n == 0 || (std::isinf(n) && n > 0), where,
+                      ": norm_type must be 2 (L2) or 0 (infinity norm; inf also works), got ", detail::num(n));
 }
 
 double FusedNovoGradOptions::op_norm_type() const {
@@ -57,8 +57,8 @@ void FusedNovoGrad::step_group(size_t index, const GroupLists& l, const FusedOpt
   } else if (norms.device() != device) {
     norms = norms.to(device);
   }
-  TORCH_CHECK(norms.numel() == n, name(), ": param group ", detail::num(index), " exp_avg_sq has ",
-              detail::num(norms.numel()), " entries for ", detail::num(n), " params");
+  MIXPREC_CHECK(norms.numel() == n, name(), ": param group ", detail::num(index), " exp_avg_sq has ",
+                detail::num(norms.numel()), " entries for ", detail::num(n), " params");
 
   // Some params have no grad this step: the op sees the moments of the others, gathered and
   // scattered back on the device (a skipped step writes back what it read).
@@ -88,11 +88,11 @@ void FusedNovoGrad::step_group(size_t index, const GroupLists& l, const FusedOpt
 at::Tensor FusedNovoGrad::checked_group_tensor(const std::string& where, const std::string& key,
                                                const at::Tensor& value,
                                                const torch::optim::OptimizerParamGroup& group) const {
-  TORCH_CHECK_VALUE(key == "exp_avg_sq", where, " is not a group tensor ", name(), " knows");
-  TORCH_CHECK_TYPE(value.is_floating_point(), where, " must be a floating-point tensor, got ", value.scalar_type());
+  MIXPREC_CHECK_VALUE(key == "exp_avg_sq", where, " is not a group tensor ", name(), " knows");
+  MIXPREC_CHECK_TYPE(value.is_floating_point(), where, " must be a floating-point tensor, got ", value.scalar_type());
   const int64_t n = static_cast<int64_t>(group.params().size());
-  TORCH_CHECK_VALUE(value.dim() == 1 && value.numel() == n, where, " has shape ", detail::shape(value.sizes()),
-                    "; expected [", detail::num(n), "] (one per param)");
+  MIXPREC_CHECK_VALUE(value.dim() == 1 && value.numel() == n, where, " has shape ", detail::shape(value.sizes()),
+                      "; expected [", detail::num(n), "] (one per param)");
   return value.to(at::kFloat).contiguous();
 }
 

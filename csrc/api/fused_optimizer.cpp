@@ -50,10 +50,10 @@ std::unique_ptr<torch::optim::OptimizerOptions> FusedOptimizer::completed_option
     const torch::optim::OptimizerOptions& given, size_t group) const {
   std::unique_ptr<torch::optim::OptimizerOptions> out = given.clone();
   auto* o = const_cast<FusedOptions*>(cast_options(*out));
-  TORCH_CHECK_TYPE(o != nullptr, group_where(name_, group),
-                   " has options of another optimizer; give each group this optimizer's options class");
+  MIXPREC_CHECK_TYPE(o != nullptr, group_where(name_, group),
+                     " has options of another optimizer; give each group this optimizer's options class");
   const FusedOptions* d = cast_options(*defaults_);
-  TORCH_CHECK_TYPE(d != nullptr, name_, ": the default options are of the wrong class");
+  MIXPREC_CHECK_TYPE(d != nullptr, name_, ": the default options are of the wrong class");
   o->inherit_unset(*d, *make_options());
   o->check(group_where(name_, group));
   return out;
@@ -61,7 +61,7 @@ std::unique_ptr<torch::optim::OptimizerOptions> FusedOptimizer::completed_option
 
 void FusedOptimizer::finish_construction() {
   const FusedOptions* d = cast_options(*defaults_);
-  TORCH_CHECK_TYPE(d != nullptr, name_, ": the default options are of the wrong class");
+  MIXPREC_CHECK_TYPE(d != nullptr, name_, ": the default options are of the wrong class");
   d->check(name_ + ": defaults");
   for (auto& pending : pending_options_)
     param_groups_[pending.first].set_options(completed_options(*pending.second, pending.first));
@@ -78,13 +78,13 @@ void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& pa
 }
 
 const FusedOptions& FusedOptimizer::options_of(size_t group) const {
-  TORCH_CHECK_INDEX(group < param_groups_.size(), name_, ": no param group ", detail::num(group), " (there are ",
-                    detail::num(param_groups_.size()), ")");
+  MIXPREC_CHECK_INDEX(group < param_groups_.size(), name_, ": no param group ", detail::num(group), " (there are ",
+                      detail::num(param_groups_.size()), ")");
   const auto& g = param_groups_[group];
-  TORCH_CHECK(g.has_options(), group_where(name_, group), " has no options");
+  MIXPREC_CHECK(g.has_options(), group_where(name_, group), " has no options");
   const FusedOptions* o = cast_options(g.options());
-  TORCH_CHECK_TYPE(o != nullptr, group_where(name_, group),
-                   " has options of another optimizer; give each group this optimizer's options class");
+  MIXPREC_CHECK_TYPE(o != nullptr, group_where(name_, group),
+                     " has options of another optimizer; give each group this optimizer's options class");
   return *o;
 }
 
@@ -92,13 +92,13 @@ FusedParamState& FusedOptimizer::state_of(const at::Tensor& p) {
   auto& slot = state_[p.unsafeGetTensorImpl()];
   if (!slot) slot = make_state();
   auto* s = dynamic_cast<FusedParamState*>(slot.get());
-  TORCH_CHECK(s != nullptr, name_, ": a parameter's state is not this optimizer's");
+  MIXPREC_CHECK(s != nullptr, name_, ": a parameter's state is not this optimizer's");
   return *s;
 }
 
 at::Tensor& FusedOptimizer::group_tensor(size_t group, const std::string& key) {
   sync_group_slots();
-  TORCH_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
+  MIXPREC_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
   return group_tensors_[group][key];
 }
 
@@ -109,7 +109,7 @@ void FusedOptimizer::sync_group_slots() const {
 
 at::Tensor FusedOptimizer::step_count_tensor(size_t group) const {
   sync_group_slots();
-  TORCH_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
+  MIXPREC_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
   const auto it = group_tensors_[group].find("step");
   return it == group_tensors_[group].end() ? at::Tensor() : it->second;
 }
@@ -176,7 +176,7 @@ std::vector<at::Tensor> FusedOptimizer::master_params() const {
 
 void FusedOptimizer::set_master_weights(bool on) {
   auto* d = const_cast<FusedOptions*>(cast_options(*defaults_));
-  TORCH_CHECK(d != nullptr, name_, ": the default options are of the wrong class");
+  MIXPREC_CHECK(d != nullptr, name_, ": the default options are of the wrong class");
   d->set_master_weights(on);
   for (size_t i = 0; i < param_groups_.size(); ++i) const_cast<FusedOptions&>(options_of(i)).set_master_weights(on);
   forget_plans();
@@ -186,11 +186,11 @@ void FusedOptimizer::set_master(const at::Tensor& param, const at::Tensor& maste
   bool found = false;
   for (const auto& g : param_groups_)
     for (const auto& p : g.params()) found = found || p.unsafeGetTensorImpl() == param.unsafeGetTensorImpl();
-  TORCH_CHECK_VALUE(found, name_, ".set_master: the tensor is not a parameter of this optimizer");
-  TORCH_CHECK_TYPE(master.scalar_type() == at::kFloat, name_, ".set_master: a master must be float32, got ",
-                   master.scalar_type());
-  TORCH_CHECK_VALUE(master.sizes() == param.sizes(), name_, ".set_master: the master has shape ",
-                    detail::shape(master.sizes()), " but the parameter has ", detail::shape(param.sizes()));
+  MIXPREC_CHECK_VALUE(found, name_, ".set_master: the tensor is not a parameter of this optimizer");
+  MIXPREC_CHECK_TYPE(master.scalar_type() == at::kFloat, name_, ".set_master: a master must be float32, got ",
+                     master.scalar_type());
+  MIXPREC_CHECK_VALUE(master.sizes() == param.sizes(), name_, ".set_master: the master has shape ",
+                      detail::shape(master.sizes()), " but the parameter has ", detail::shape(param.sizes()));
   state_of(param).master_param(detail::api::copy_in_layout_of(master.detach(), param));
   forget_plans();
 }

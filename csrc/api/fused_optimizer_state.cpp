@@ -59,7 +59,7 @@ at::Tensor FusedOptimizer::checked_state_tensor(const std::string& where, const 
                                                 const at::Tensor& value, const at::Tensor& param,
                                                 const FusedOptions& options) const {
   // Default rule: every state tensor of the op is float32.
-  TORCH_CHECK_TYPE(value.scalar_type() == at::kFloat, where, " must be float32, got ", value.scalar_type());
+  MIXPREC_CHECK_TYPE(value.scalar_type() == at::kFloat, where, " must be float32, got ", value.scalar_type());
   return value;
 }
 
@@ -67,17 +67,17 @@ at::Tensor FusedOptimizer::checked_slot(const std::string& where, const std::str
                                         const at::Tensor& param, const FusedOptions& options) const {
   // A master may be an int16 remainder of a bf16 param (master_remainder); the op steps either.
   const bool remainder = key == "master_param" && value.scalar_type() == at::kShort;
-  TORCH_CHECK_TYPE(value.is_floating_point() || remainder, where, " must be a floating-point tensor, got ",
-                   value.scalar_type());
-  TORCH_CHECK_VALUE(value.sizes() == param.sizes(), where, " has shape ", detail::shape(value.sizes()),
-                    " but the parameter has ", detail::shape(param.sizes()));
+  MIXPREC_CHECK_TYPE(value.is_floating_point() || remainder, where, " must be a floating-point tensor, got ",
+                     value.scalar_type());
+  MIXPREC_CHECK_VALUE(value.sizes() == param.sizes(), where, " has shape ", detail::shape(value.sizes()),
+                      " but the parameter has ", detail::shape(param.sizes()));
   if (remainder) {
-    TORCH_CHECK_TYPE(param.scalar_type() == at::kBFloat16, where, " is an int16 remainder, which needs a bfloat16 ",
-                     "parameter; the parameter is ", param.scalar_type());
+    MIXPREC_CHECK_TYPE(param.scalar_type() == at::kBFloat16, where, " is an int16 remainder, which needs a bfloat16 ",
+                       "parameter; the parameter is ", param.scalar_type());
     return value;
   }
   if (key == "master_param") {
-    TORCH_CHECK_TYPE(value.scalar_type() == at::kFloat, where, " must be float32, got ", value.scalar_type());
+    MIXPREC_CHECK_TYPE(value.scalar_type() == at::kFloat, where, " must be float32, got ", value.scalar_type());
     return value;
   }
   return checked_state_tensor(where, key, value, param, options);
@@ -86,7 +86,7 @@ at::Tensor FusedOptimizer::checked_slot(const std::string& where, const std::str
 at::Tensor FusedOptimizer::checked_group_tensor(const std::string& where, const std::string& key,
                                                 const at::Tensor& value,
                                                 const torch::optim::OptimizerParamGroup& group) const {
-  TORCH_CHECK_VALUE(false, where, " is not a group tensor ", name_, " knows");
+  MIXPREC_CHECK_VALUE(false, where, " is not a group tensor ", name_, " knows");
   return value;
 }
 
@@ -94,14 +94,15 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
   using namespace mixprec::detail::api;
   const std::string where = name_ + ".load";
   c10::IValue format;
-  TORCH_CHECK_VALUE(archive.try_read("mixprec_format", format) && format.isString() && format.toStringRef() == kFormat,
-                    where, ": not a mixprec optimizer checkpoint of format ", kFormat,
-                    " (torch::optim checkpoints do not load into mixprec optimizers)");
+  MIXPREC_CHECK_VALUE(
+      archive.try_read("mixprec_format", format) && format.isString() && format.toStringRef() == kFormat, where,
+      ": not a mixprec optimizer checkpoint of format ", kFormat,
+      " (torch::optim checkpoints do not load into mixprec optimizers)");
   const std::string saved_name = read_string(archive, "optimizer", where);
-  TORCH_CHECK_VALUE(saved_name == name_, where, ": the checkpoint is of ", saved_name);
+  MIXPREC_CHECK_VALUE(saved_name == name_, where, ": the checkpoint is of ", saved_name);
   const int64_t n_groups = read_int(archive, "param_groups/size", where);
-  TORCH_CHECK_VALUE(n_groups == static_cast<int64_t>(param_groups_.size()), where, ": the checkpoint has ",
-                    detail::num(n_groups), " param groups, this optimizer has ", detail::num(param_groups_.size()));
+  MIXPREC_CHECK_VALUE(n_groups == static_cast<int64_t>(param_groups_.size()), where, ": the checkpoint has ",
+                      detail::num(n_groups), " param groups, this optimizer has ", detail::num(param_groups_.size()));
 
   // Everything is read and checked into these first; the optimizer changes only at the end.
   std::vector<std::unique_ptr<FusedOptions>> new_options;
@@ -111,20 +112,20 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
     const auto& g = param_groups_[i];
     const std::string gw = group_where(where, i);
     torch::serialize::InputArchive group_archive;
-    TORCH_CHECK_VALUE(archive.try_read("param_groups/" + std::to_string(i), group_archive), gw,
-                      " is missing from the checkpoint");
+    MIXPREC_CHECK_VALUE(archive.try_read("param_groups/" + std::to_string(i), group_archive), gw,
+                        " is missing from the checkpoint");
     const int64_t n_params = read_int(group_archive, "params/size", gw);
-    TORCH_CHECK_VALUE(n_params == static_cast<int64_t>(g.params().size()), gw, " has ", detail::num(n_params),
-                      " params in the checkpoint but ", detail::num(g.params().size()), " here");
+    MIXPREC_CHECK_VALUE(n_params == static_cast<int64_t>(g.params().size()), gw, " has ", detail::num(n_params),
+                        " params in the checkpoint but ", detail::num(g.params().size()), " here");
     for (const auto& p : g.params()) param_at.emplace_back(i, p);
 
     torch::serialize::InputArchive options_archive;
-    TORCH_CHECK_VALUE(group_archive.try_read("options", options_archive), gw, " has no options in the checkpoint");
+    MIXPREC_CHECK_VALUE(group_archive.try_read("options", options_archive), gw, " has no options in the checkpoint");
     std::unique_ptr<FusedOptions> o = make_options();
     try {
       o->serialize(options_archive);
     } catch (const c10::Error& e) {
-      TORCH_CHECK_VALUE(false, gw, " options: ", e.msg());
+      MIXPREC_CHECK_VALUE(false, gw, " options: ", e.msg());
     }
     o->check(gw + " options");
 
@@ -134,15 +135,16 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
       for (const std::string& key : tensors_archive.keys()) {
         at::Tensor t;
         const std::string tw = gw + "['" + key + "']";
-        TORCH_CHECK_VALUE(tensors_archive.try_read(key, t, /*is_buffer=*/true) && t.defined(), tw, " is not a tensor");
+        MIXPREC_CHECK_VALUE(tensors_archive.try_read(key, t, /*is_buffer=*/true) && t.defined(), tw,
+                            " is not a tensor");
         if (key == "step") {
-          TORCH_CHECK_VALUE(t.numel() == 1 && !t.is_complex(), tw, " must hold one number, got shape ",
-                            detail::shape(t.sizes()));
+          MIXPREC_CHECK_VALUE(t.numel() == 1 && !t.is_complex(), tw, " must hold one number, got shape ",
+                              detail::shape(t.sizes()));
           // A checkpoint's count is read on the host anyway (it comes from a file): a NaN, inf or
           // negative count would feed bias corrections of NaN or of the wrong sign.
           const double count = t.to(at::kCPU, at::kDouble).item<double>();
-          TORCH_CHECK_VALUE(std::isfinite(count) && count >= 0, tw, " is ", detail::num(count),
-                            "; expected a finite step count >= 0");
+          MIXPREC_CHECK_VALUE(std::isfinite(count) && count >= 0, tw, " is ", detail::num(count),
+                              "; expected a finite step count >= 0");
           t = t.to(device, at::kFloat).reshape({1}).clone();
         } else {
           t = checked_group_tensor(tw, key, t, g).to(device);
@@ -159,21 +161,21 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
     for (const std::string& key : state_archive.keys()) {
       char* end = nullptr;
       const long long k = std::strtoll(key.c_str(), &end, 10);
-      TORCH_CHECK_VALUE(!key.empty() && *end == '\0' && k >= 0 && k < static_cast<long long>(param_at.size()), where,
-                        ": state for unknown parameter '", key, "' (the optimizer has ", detail::num(param_at.size()),
-                        " params)");
+      MIXPREC_CHECK_VALUE(!key.empty() && *end == '\0' && k >= 0 && k < static_cast<long long>(param_at.size()), where,
+                          ": state for unknown parameter '", key, "' (the optimizer has ", detail::num(param_at.size()),
+                          " params)");
       const size_t group = param_at[k].first;
       const at::Tensor& p = param_at[k].second;
       const FusedOptions& o = *new_options[group];
       torch::serialize::InputArchive param_archive;
-      TORCH_CHECK_VALUE(state_archive.try_read(key, param_archive), where, ": state[", detail::num(k),
-                        "] is not a state record");
+      MIXPREC_CHECK_VALUE(state_archive.try_read(key, param_archive), where, ": state[", detail::num(k),
+                          "] is not a state record");
       std::unique_ptr<FusedParamState> s = make_state();
       std::set<std::string> known;
       for (const auto& slot : s->slots()) known.insert(slot.first);
       for (const std::string& pk : param_archive.keys())
-        TORCH_CHECK_VALUE(known.count(pk) != 0, where, ": state[", detail::num(k), "]['", pk, "'] is not state ", name_,
-                          " knows");
+        MIXPREC_CHECK_VALUE(known.count(pk) != 0, where, ": state[", detail::num(k), "]['", pk, "'] is not state ",
+                            name_, " knows");
       s->serialize(param_archive);
       bool any = false;
       for (const auto& slot : s->slots()) {
@@ -183,7 +185,7 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
         const std::string sw = where + ": state[" + std::to_string(k) + "]['" + slot.first + "']";
         t = copy_in_layout_of(checked_slot(sw, slot.first, t, p, o), p);
       }
-      TORCH_CHECK_VALUE(
+      MIXPREC_CHECK_VALUE(
           !any || !o.uses_master_weights() || p.scalar_type() == at::kFloat || s->master_param().defined(), where,
           ": state[", detail::num(k), "] has no 'master_param' but master weights are on and the parameter is ",
           p.scalar_type());
@@ -203,8 +205,8 @@ std::unique_ptr<FusedOptimizer> FusedOptimizer::clone_base(const std::vector<at:
   sync_group_slots();
   size_t total = 0;
   for (const auto& g : param_groups_) total += g.params().size();
-  TORCH_CHECK_VALUE(params.size() == total, where, ": got ", detail::num(params.size()), " params; expected ",
-                    detail::num(total), " (one per parameter of this optimizer, in group order)");
+  MIXPREC_CHECK_VALUE(params.size() == total, where, ": got ", detail::num(params.size()), " params; expected ",
+                      detail::num(total), " (one per parameter of this optimizer, in group order)");
   // Checked first; the copy is built only from valid input and this optimizer is never written.
   std::vector<torch::optim::OptimizerParamGroup> groups;
   size_t k = 0;
@@ -213,11 +215,11 @@ std::unique_ptr<FusedOptimizer> FusedOptimizer::clone_base(const std::vector<at:
     for (const auto& p : param_groups_[i].params()) {
       const at::Tensor& q = params[k];
       const std::string pw = where + ": params[" + std::to_string(k++) + "]";
-      TORCH_CHECK_VALUE(q.defined(), pw, " is undefined; expected a tensor like ", detail::shape(p.sizes()));
-      TORCH_CHECK_TYPE(q.scalar_type() == p.scalar_type(), pw, " has dtype ", q.scalar_type(), "; expected ",
-                       p.scalar_type(), ", the dtype of the parameter it replaces");
-      TORCH_CHECK_VALUE(q.sizes() == p.sizes(), pw, " has shape ", detail::shape(q.sizes()), "; expected ",
-                        detail::shape(p.sizes()), ", the shape of the parameter it replaces");
+      MIXPREC_CHECK_VALUE(q.defined(), pw, " is undefined; expected a tensor like ", detail::shape(p.sizes()));
+      MIXPREC_CHECK_TYPE(q.scalar_type() == p.scalar_type(), pw, " has dtype ", q.scalar_type(), "; expected ",
+                         p.scalar_type(), ", the dtype of the parameter it replaces");
+      MIXPREC_CHECK_VALUE(q.sizes() == p.sizes(), pw, " has shape ", detail::shape(q.sizes()), "; expected ",
+                          detail::shape(p.sizes()), ", the shape of the parameter it replaces");
       ps.push_back(q);
     }
     groups.emplace_back(std::move(ps), options_of(i).clone());

@@ -84,7 +84,7 @@ void FusedOptimizer::forget_plans() { plans_.reset(); }
 const std::vector<at::Tensor>& FusedOptimizer::GroupLists::slot(const char* key) const {
   for (size_t i = 0; i < keys.size(); ++i)
     if (std::strcmp(keys[i], key) == 0) return slots[i];
-  TORCH_CHECK(false, "mixprec::optim: no state slot '", key, "'");
+  MIXPREC_CHECK(false, "mixprec::optim: no state slot '", key, "'");
   return slots[0];  // unreachable: the check above throws
 }
 
@@ -92,16 +92,16 @@ const std::vector<at::Tensor>& FusedOptimizer::GroupLists::slot(const char* key)
 void FusedOptimizer::check_grad(size_t index, size_t j, const at::Tensor& p) const {
   const auto op_dtype = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
   const at::Tensor& g = p.grad();
-  TORCH_CHECK(!g.is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(index), ")");
-  TORCH_CHECK_TYPE(op_dtype(g.scalar_type()), param_where(name_, index, j), ".grad has dtype ", g.scalar_type(),
-                   "; expected float32, float16 or bfloat16");
-  TORCH_CHECK_VALUE(g.device() == p.device(), param_where(name_, index, j), ".grad is on ", g.device().str(),
-                    "; expected the parameter's ", p.device().str());
-  TORCH_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ", detail::shape(g.sizes()),
-                    "; expected the parameter's ", detail::shape(p.sizes()));
-  TORCH_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ", detail::shape(g.strides()),
-                    "; expected the parameter's layout, strides ", detail::shape(p.strides()),
-                    " (as autograd lays out gradients)");
+  MIXPREC_CHECK(!g.is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(index), ")");
+  MIXPREC_CHECK_TYPE(op_dtype(g.scalar_type()), param_where(name_, index, j), ".grad has dtype ", g.scalar_type(),
+                     "; expected float32, float16 or bfloat16");
+  MIXPREC_CHECK_VALUE(g.device() == p.device(), param_where(name_, index, j), ".grad is on ", g.device().str(),
+                      "; expected the parameter's ", p.device().str());
+  MIXPREC_CHECK_VALUE(g.sizes() == p.sizes(), param_where(name_, index, j), ".grad has shape ",
+                      detail::shape(g.sizes()), "; expected the parameter's ", detail::shape(p.sizes()));
+  MIXPREC_CHECK_VALUE(same_layout(g, p), param_where(name_, index, j), ".grad has strides ", detail::shape(g.strides()),
+                      "; expected the parameter's layout, strides ", detail::shape(p.strides()),
+                      " (as autograd lays out gradients)");
 }
 
 void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tensor>& params,
@@ -112,16 +112,16 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
   const auto op_dtype = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
   for (size_t j = 0; j < params.size(); ++j) {
     const at::Tensor& p = params[j];
-    TORCH_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
-                     "; expected float32, float16 or bfloat16");
-    TORCH_CHECK_VALUE(
+    MIXPREC_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
+                       "; expected float32, float16 or bfloat16");
+    MIXPREC_CHECK_VALUE(
         !options.uses_master_weights() || !options.uses_master_remainder() || p.scalar_type() == at::kBFloat16,
         param_where(name_, index, j), " is ", p.scalar_type(),
         ": master_remainder needs bfloat16 params (put others in a group of their own)");
-    TORCH_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
-                      detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
-                      ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "
-                      "any permutation of dimensions)");
+    MIXPREC_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
+                        detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
+                        ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "
+                        "any permutation of dimensions)");
     check_grad(index, j, p);
     const auto it = state_.find(p.unsafeGetTensorImpl());
     auto* s = it == state_.end() ? nullptr : dynamic_cast<FusedParamState*>(it->second.get());
@@ -134,11 +134,11 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
       if (t.scalar_type() != at::kFloat || t.sizes() != p.sizes()) {
         checked_slot(state_where(name_, index, j, slot.first), slot.first, t, p, options);
       }
-      TORCH_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ", t.device().str(),
-                        "; expected the parameter's ", p.device().str());
-      TORCH_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
-                        detail::shape(t.strides()), "; expected the parameter's layout, strides ",
-                        detail::shape(p.strides()));
+      MIXPREC_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ",
+                          t.device().str(), "; expected the parameter's ", p.device().str());
+      MIXPREC_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
+                          detail::shape(t.strides()), "; expected the parameter's layout, strides ",
+                          detail::shape(p.strides()));
     }
   }
 }
@@ -250,11 +250,12 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     std::vector<at::Tensor> with_grads;
     for (const auto& p : param_groups_[i].params()) {
       if (!p.grad().defined()) continue;
-      TORCH_CHECK(!p.grad().is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(i),
-                  ")");
+      MIXPREC_CHECK(!p.grad().is_sparse(), name_, " does not support sparse gradients (param group ", detail::num(i),
+                    ")");
       if (!with_grads.empty())
-        TORCH_CHECK_VALUE(p.device() == with_grads[0].device(), group_where(name_, i), " mixes devices (",
-                          with_grads[0].device(), " and ", p.device(), "); put each device's params in its own group");
+        MIXPREC_CHECK_VALUE(p.device() == with_grads[0].device(), group_where(name_, i), " mixes devices (",
+                            with_grads[0].device(), " and ", p.device(),
+                            "); put each device's params in its own group");
       with_grads.push_back(p);
     }
     check_step_inputs(i, with_grads, o);

@@ -35,8 +35,8 @@ inline void from_ivalue(const c10::IValue& iv, const char* key, const std::strin
 inline void from_ivalue(const c10::IValue& iv, const char* key, const std::string& where, c10::ScalarType& v) {
   const int64_t code = ivalue_int(iv, key, where);
   // Only codes of real dtypes become a ScalarType; which dtypes a family allows is check()'s.
-  TORCH_CHECK_VALUE(code >= 0 && code < static_cast<int64_t>(c10::ScalarType::NumOptions), where, ": '", key,
-                    "' must be a dtype code, got ", mixprec::detail::num(code));
+  MIXPREC_CHECK_VALUE(code >= 0 && code < static_cast<int64_t>(c10::ScalarType::NumOptions), where, ": '", key,
+                      "' must be a dtype code, got ", mixprec::detail::num(code));
   v = static_cast<c10::ScalarType>(code);
 }
 
@@ -115,8 +115,8 @@ Derived& FusedOptionsFor<Derived, Args>::set_field(const std::string& key, const
   const std::string where = std::string(Derived::options_name()) + ".set_field";
   if constexpr (internal::has_betas<Args>::value) {
     if (key == "betas") {
-      TORCH_CHECK_VALUE(value.isTuple() && value.toTupleRef().elements().size() == 2, where,
-                        ": 'betas' must be a tuple of two numbers, got ", value.tagKind());
+      MIXPREC_CHECK_VALUE(value.isTuple() && value.toTupleRef().elements().size() == 2, where,
+                          ": 'betas' must be a tuple of two numbers, got ", value.tagKind());
       const auto& b = value.toTupleRef().elements();
       return self().betas({mixprec::detail::api::ivalue_double(b[0], "betas[0]", where),
                            mixprec::detail::api::ivalue_double(b[1], "betas[1]", where)});
@@ -133,7 +133,7 @@ Derived& FusedOptionsFor<Derived, Args>::set_field(const std::string& key, const
     note_named(i);
     found = true;
   });
-  TORCH_CHECK_VALUE(found, where, ": ", Derived::options_name(), " has no option '", key, "'");
+  MIXPREC_CHECK_VALUE(found, where, ": ", Derived::options_name(), " has no option '", key, "'");
   return self();
 }
 

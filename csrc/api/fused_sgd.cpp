@@ -18,9 +18,9 @@ void FusedSGDOptions::check(const std::string& where) const {
   check_finite_nonneg(where, "learning rate", lr());
   check_finite_nonneg(where, "momentum", momentum());
   check_finite_nonneg(where, "weight_decay", weight_decay());
-  TORCH_CHECK_VALUE(std::isfinite(dampening()), where, ": invalid dampening ", detail::num(dampening()));
-  TORCH_CHECK_VALUE(!nesterov() || (momentum() > 0 && dampening() == 0), where,
-                    ": Nesterov momentum requires a momentum and zero dampening");
+  MIXPREC_CHECK_VALUE(std::isfinite(dampening()), where, ": invalid dampening ", detail::num(dampening()));
+  MIXPREC_CHECK_VALUE(!nesterov() || (momentum() > 0 && dampening() == 0), where,
+                      ": Nesterov momentum requires a momentum and zero dampening");
 }
 
 FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, FusedSGDOptions defaults)

@@ -25,18 +25,18 @@ constexpr const char* kName = "mixprec::amp::GradScaler";
 // inf/NaN). kScaleFloor is also the lowest scale a backoff reaches.
 constexpr double kMaxFloat = 3.4028234663852886e38;
 void check_scale(const std::string& where, const char* name, double v) {
-  TORCH_CHECK_VALUE(v >= kernels::kScaleFloor && v <= kMaxFloat, where, ": invalid ", name, " ", detail::num(v),
-                    "; expected a normal float32 in [2^-126, 3.4028235e+38]");
+  MIXPREC_CHECK_VALUE(v >= kernels::kScaleFloor && v <= kMaxFloat, where, ": invalid ", name, " ", detail::num(v),
+                      "; expected a normal float32 in [2^-126, 3.4028235e+38]");
 }
 
 // min_scale <= `name` <= max_scale where those are given.
 void check_bounds(const GradScalerOptions& o, const std::string& where, const char* name, double v) {
   if (o.min_scale())
-    TORCH_CHECK_VALUE(v >= *o.min_scale(), where, ": invalid ", name, " ", detail::num(v),
-                      "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
+    MIXPREC_CHECK_VALUE(v >= *o.min_scale(), where, ": invalid ", name, " ", detail::num(v),
+                        "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
   if (o.max_scale())
-    TORCH_CHECK_VALUE(v <= *o.max_scale(), where, ": invalid ", name, " ", detail::num(v),
-                      "; expected a number <= max_scale (", detail::num(*o.max_scale()), ")");
+    MIXPREC_CHECK_VALUE(v <= *o.max_scale(), where, ": invalid ", name, " ", detail::num(v),
+                        "; expected a number <= max_scale (", detail::num(*o.max_scale()), ")");
 }
 
 // Every option, before anything is written: errors name `where` (the GradScaler call), the option
@@ -44,21 +44,21 @@ void check_bounds(const GradScalerOptions& o, const std::string& where, const ch
 void check_options(const GradScalerOptions& o, const std::string& where) {
   constexpr int64_t kInt32Max = 2147483647;
   check_scale(where, "init_scale", o.init_scale());
-  TORCH_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1, where, ": invalid growth_factor ",
-                    detail::num(o.growth_factor()), "; expected a finite number > 1");
-  TORCH_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1, where, ": invalid backoff_factor ",
-                    detail::num(o.backoff_factor()), "; expected a number in (0, 1)");
-  TORCH_CHECK_VALUE(o.growth_interval() >= 1 && o.growth_interval() <= kInt32Max, where, ": invalid growth_interval ",
-                    detail::num(o.growth_interval()), "; expected an integer in [1, 2^31 - 1]");
-  TORCH_CHECK_VALUE(o.hysteresis() >= 1 && o.hysteresis() <= kInt32Max, where, ": invalid hysteresis ",
-                    detail::num(o.hysteresis()), "; expected an integer in [1, 2^31 - 1]");
+  MIXPREC_CHECK_VALUE(std::isfinite(o.growth_factor()) && o.growth_factor() > 1, where, ": invalid growth_factor ",
+                      detail::num(o.growth_factor()), "; expected a finite number > 1");
+  MIXPREC_CHECK_VALUE(o.backoff_factor() > 0 && o.backoff_factor() < 1, where, ": invalid backoff_factor ",
+                      detail::num(o.backoff_factor()), "; expected a number in (0, 1)");
+  MIXPREC_CHECK_VALUE(o.growth_interval() >= 1 && o.growth_interval() <= kInt32Max, where, ": invalid growth_interval ",
+                      detail::num(o.growth_interval()), "; expected an integer in [1, 2^31 - 1]");
+  MIXPREC_CHECK_VALUE(o.hysteresis() >= 1 && o.hysteresis() <= kInt32Max, where, ": invalid hysteresis ",
+                      detail::num(o.hysteresis()), "; expected an integer in [1, 2^31 - 1]");
   if (o.min_scale())
-    TORCH_CHECK_VALUE(*o.min_scale() >= 0 && *o.min_scale() <= kMaxFloat, where, ": invalid min_scale ",
-                      detail::num(*o.min_scale()), "; expected a finite float32 >= 0");
+    MIXPREC_CHECK_VALUE(*o.min_scale() >= 0 && *o.min_scale() <= kMaxFloat, where, ": invalid min_scale ",
+                        detail::num(*o.min_scale()), "; expected a finite float32 >= 0");
   if (o.max_scale()) check_scale(where, "max_scale", *o.max_scale());
   if (o.min_scale() && o.max_scale())
-    TORCH_CHECK_VALUE(*o.max_scale() >= *o.min_scale(), where, ": invalid max_scale ", detail::num(*o.max_scale()),
-                      "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
+    MIXPREC_CHECK_VALUE(*o.max_scale() >= *o.min_scale(), where, ": invalid max_scale ", detail::num(*o.max_scale()),
+                        "; expected a number >= min_scale (", detail::num(*o.min_scale()), ")");
   check_bounds(o, where, "init_scale", o.init_scale());
 }
 
@@ -94,8 +94,8 @@ void GradScaler::lazy_init(const c10::Device& device) {
 }
 
 void GradScaler::check_initialized(const char* what) const {
-  TORCH_CHECK(scale_.defined(), kName, ": ", what,
-              "() before any scale(): scale the loss (scaler.scale(loss).backward()) earlier in the iteration");
+  MIXPREC_CHECK(scale_.defined(), kName, ": ", what,
+                "() before any scale(): scale the loss (scaler.scale(loss).backward()) earlier in the iteration");
 }
 
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
@@ -165,7 +165,7 @@ std::vector<at::Tensor> GradScaler::check_grads(torch::optim::Optimizer& optimiz
 }
 
 at::Tensor GradScaler::combined_found(const std::vector<at::Tensor>& found) const {
-  TORCH_CHECK(!found.empty(), kName, ": no inf checks were recorded (no parameter of the optimizer has a gradient)");
+  MIXPREC_CHECK(!found.empty(), kName, ": no inf checks were recorded (no parameter of the optimizer has a gradient)");
   if (found.size() == 1) return found[0].to(scale_.device(), /*non_blocking=*/true);
   std::vector<at::Tensor> on;
   for (const auto& f : found) on.push_back(f.to(scale_.device(), /*non_blocking=*/true).reshape({}));
@@ -176,9 +176,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
   check_initialized("unscale_");
   PerOptimizer& st = per_optimizer_[&optimizer];
-  TORCH_CHECK(st.stage != Stage::kUnscaled, kName,
-              ": unscale_() has already been called on this optimizer since the last update()");
-  TORCH_CHECK(st.stage != Stage::kStepped, kName, ": unscale_() is being called after step()");
+  MIXPREC_CHECK(st.stage != Stage::kUnscaled, kName,
+                ": unscale_() has already been called on this optimizer since the last update()");
+  MIXPREC_CHECK(st.stage != Stage::kStepped, kName, ": unscale_() is being called after step()");
   const at::Tensor inv = scale_inverse(scale_);
   st.found_inf_per_device = check_grads(optimizer, inv);
   if (!st.found_inf_per_device.empty()) st.found_inf_per_device.push_back(bad_scale_flag(inv));
@@ -189,7 +189,7 @@ at::Tensor GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return optimizer.step();
   check_initialized("step");
   PerOptimizer& st = per_optimizer_[&optimizer];
-  TORCH_CHECK(st.stage != Stage::kStepped, kName, ": step() has already been called since the last update()");
+  MIXPREC_CHECK(st.stage != Stage::kStepped, kName, ": step() has already been called since the last update()");
 
   if (auto* fused = dynamic_cast<optim::FusedOptimizer*>(&optimizer)) {
     // The kernel unscales (unless unscale_() already did) and skips on the device.
@@ -227,7 +227,7 @@ void GradScaler::update() {
   std::vector<at::Tensor> found;
   for (const auto& kv : per_optimizer_)
     for (const auto& f : kv.second.found_inf_per_device) found.push_back(f);
-  TORCH_CHECK(!found.empty(), kName, ": no inf checks were recorded prior to update()");
+  MIXPREC_CHECK(!found.empty(), kName, ": no inf checks were recorded prior to update()");
   mixprec::ScaleUpdateOptions o;
   o.growth_factor = options_.growth_factor();
   o.backoff_factor = options_.backoff_factor();
@@ -271,8 +271,8 @@ int64_t GradScaler::growth_tracker() const {
 void GradScaler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("enabled", c10::IValue(options_.enabled()));
   if (!options_.enabled()) return;
-  TORCH_CHECK(per_optimizer_.empty(), kName,
-              ": save() only at the start of an iteration or after update(), not between step() and update()");
+  MIXPREC_CHECK(per_optimizer_.empty(), kName,
+                ": save() only at the start of an iteration or after update(), not between step() and update()");
   archive.write("scale", c10::IValue(get_scale()));
   archive.write("growth_factor", c10::IValue(options_.growth_factor()));
   archive.write("backoff_factor", c10::IValue(options_.backoff_factor()));
@@ -291,8 +291,8 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   if (!options_.enabled()) return;
   const std::string where = std::string(kName) + ".load";
   c10::IValue enabled;
-  TORCH_CHECK_VALUE(!archive.try_read("enabled", enabled) || !enabled.isBool() || enabled.toBool(), where,
-                    ": the checkpoint was saved from a disabled GradScaler and holds no scale");
+  MIXPREC_CHECK_VALUE(!archive.try_read("enabled", enabled) || !enabled.isBool() || enabled.toBool(), where,
+                      ": the checkpoint was saved from a disabled GradScaler and holds no scale");
   // Read and check everything, then change anything.
   GradScalerOptions o = options_;
   const double scale = read_double(archive, "scale", where);
@@ -308,12 +308,12 @@ void GradScaler::load(torch::serialize::InputArchive& archive) {
   o.init_scale(scale);
   check_options(o, where);
   // The trackers are int32 on the device.
-  TORCH_CHECK_VALUE(growth >= 0 && growth <= 2147483647, where, ": '_growth_tracker' must be in [0, 2^31 - 1], got ",
-                    detail::num(growth));
-  TORCH_CHECK_VALUE(hysteresis_tracker >= 0 && hysteresis_tracker <= o.hysteresis(), where,
-                    ": '_hysteresis_tracker' must be in [0, hysteresis = ", detail::num(o.hysteresis()), "], got ",
-                    detail::num(hysteresis_tracker));
-  TORCH_CHECK_VALUE(skipped >= 0, where, ": '_skipped_steps' must be >= 0, got ", detail::num(skipped));
+  MIXPREC_CHECK_VALUE(growth >= 0 && growth <= 2147483647, where, ": '_growth_tracker' must be in [0, 2^31 - 1], got ",
+                      detail::num(growth));
+  MIXPREC_CHECK_VALUE(hysteresis_tracker >= 0 && hysteresis_tracker <= o.hysteresis(), where,
+                      ": '_hysteresis_tracker' must be in [0, hysteresis = ", detail::num(o.hysteresis()), "], got ",
+                      detail::num(hysteresis_tracker));
+  MIXPREC_CHECK_VALUE(skipped >= 0, where, ": '_skipped_steps' must be >= 0, got ", detail::num(skipped));
 
   o.init_scale(options_.init_scale());  // the constructor's value stays what it was
   options_ = o;

@@ -11,6 +11,8 @@
 
 #include <mixprec/optim/fused_optimizer.h>
 
+#include "ops/format.h"  // MIXPREC_CHECK*
+
 namespace mixprec::amp {
 
 namespace {
@@ -28,7 +30,7 @@ bool is_affine_batchnorm(const torch::nn::Module& m) {
 
 // The level's properties with the user's overrides, checked as Apex checks them.
 AmpState resolve(const AmpOptions& o) {
-  TORCH_CHECK_VALUE(is_low(o.dtype()), kName, ": dtype must be float16 or bfloat16, got ", o.dtype());
+  MIXPREC_CHECK_VALUE(is_low(o.dtype()), kName, ": dtype must be float16 or bfloat16, got ", o.dtype());
   AmpState s;
   s.opt_level = o.opt_level();
   s.dtype = o.dtype();
@@ -53,17 +55,17 @@ AmpState resolve(const AmpOptions& o) {
   }
   const bool o1 = o.opt_level() == OptLevel::O1;
   if (o.keep_batchnorm_fp32()) {
-    TORCH_CHECK_VALUE(!o1, kName,
-                      ": with O1 BatchNorm runs in fp32 under autocast anyway; leave keep_batchnorm_fp32 unset");
+    MIXPREC_CHECK_VALUE(!o1, kName,
+                        ": with O1 BatchNorm runs in fp32 under autocast anyway; leave keep_batchnorm_fp32 unset");
     s.keep_batchnorm_fp32 = *o.keep_batchnorm_fp32();
   }
   if (o.master_weights()) {
-    TORCH_CHECK_VALUE(!o1, kName, ": master weights make no sense with O1, whose model weights stay fp32");
+    MIXPREC_CHECK_VALUE(!o1, kName, ": master weights make no sense with O1, whose model weights stay fp32");
     s.master_weights = *o.master_weights();
   }
   if (o.dynamic_loss_scale()) s.dynamic_loss_scale = *o.dynamic_loss_scale();
-  TORCH_CHECK_VALUE(!s.master_weights || (s.cast_model_type && is_low(*s.cast_model_type)), kName,
-                    ": master weights need a model cast to float16 or bfloat16 (O2, or O3 with master_weights)");
+  MIXPREC_CHECK_VALUE(!s.master_weights || (s.cast_model_type && is_low(*s.cast_model_type)), kName,
+                      ": master weights need a model cast to float16 or bfloat16 (O2, or O3 with master_weights)");
   return s;
 }
 
@@ -71,21 +73,22 @@ AmpState initialize_impl(torch::nn::Module& model, torch::optim::Optimizer* opti
   const AmpState s = resolve(options);
   for (const auto& kv : model.named_parameters()) {
     const std::string& name = kv.key();
-    TORCH_CHECK_VALUE(!kv.value().is_floating_point() || kv.value().scalar_type() == c10::kFloat, kName,
-                      ": parameter '", name, "' is ", kv.value().scalar_type(),
-                      "; pass the model in fp32 (initialize casts it for the level)");
+    MIXPREC_CHECK_VALUE(!kv.value().is_floating_point() || kv.value().scalar_type() == c10::kFloat, kName,
+                        ": parameter '", name, "' is ", kv.value().scalar_type(),
+                        "; pass the model in fp32 (initialize casts it for the level)");
   }
 
   auto* fused = dynamic_cast<optim::FusedOptimizer*>(optimizer);
   const bool cast = s.cast_model_type && is_low(*s.cast_model_type);
   if (optimizer != nullptr && s.master_weights)
-    TORCH_CHECK_VALUE(fused != nullptr, kName, ": ", to_string(s.opt_level),
-                      "'s fp32 master weights need a mixprec::optim fused optimizer (FusedAdam, FusedAdamW, FusedSGD, "
-                      "FusedLAMB, FusedAdagrad or FusedNovoGrad); a torch::optim optimizer would update the ",
-                      s.dtype, " weights directly");
+    MIXPREC_CHECK_VALUE(
+        fused != nullptr, kName, ": ", to_string(s.opt_level),
+        "'s fp32 master weights need a mixprec::optim fused optimizer (FusedAdam, FusedAdamW, FusedSGD, "
+        "FusedLAMB, FusedAdagrad or FusedNovoGrad); a torch::optim optimizer would update the ",
+        s.dtype, " weights directly");
   if (optimizer != nullptr && cast && fused == nullptr)
-    TORCH_CHECK_VALUE(optimizer->state().empty(), kName,
-                      ": the optimizer already has state; call initialize before the first step");
+    MIXPREC_CHECK_VALUE(optimizer->state().empty(), kName,
+                        ": the optimizer already has state; call initialize before the first step");
 
   // The modules whose own parameters and buffers are cast (the root may not be owned by a
   // shared_ptr, so it is listed by hand before its descendants).

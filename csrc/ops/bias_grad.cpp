@@ -17,18 +17,18 @@ constexpr const char* kOp = "linear_bias_grad";
 
 void check_linear_bias_grad(const at::Tensor& grad) {
   const std::string what = arg_name(kOp, "grad");
-  TORCH_CHECK(grad.defined(), what, " is undefined");
+  MIXPREC_CHECK(grad.defined(), what, " is undefined");
   kernel_dtype(grad, what);
-  TORCH_CHECK_VALUE(grad.dim() == 2, what, " must be 2-D [rows, out_features], got shape ", shape(grad.sym_sizes()));
-  TORCH_CHECK(grad.is_contiguous(), what, " is not contiguous; mixprec's linear_bias_grad reads rows in place");
+  MIXPREC_CHECK_VALUE(grad.dim() == 2, what, " must be 2-D [rows, out_features], got shape ", shape(grad.sym_sizes()));
+  MIXPREC_CHECK(grad.is_contiguous(), what, " is not contiguous; mixprec's linear_bias_grad reads rows in place");
 }
 
 at::Tensor linear_bias_grad_impl(const at::Tensor& grad, const BiasGradRunner& runner) {
   check_linear_bias_grad(grad);
   const int64_t rows = grad.size(0), cols = grad.size(1);
   // The CUDA kernel indexes a row's columns with int.
-  TORCH_CHECK_VALUE(cols <= INT_MAX, arg_name(kOp, "grad"), " has shape ", shape(grad.sizes()),
-                    "; out_features must be below 2^31");
+  MIXPREC_CHECK_VALUE(cols <= INT_MAX, arg_name(kOp, "grad"), " has shape ", shape(grad.sizes()),
+                      "; out_features must be below 2^31");
   at::Tensor out = at::empty({cols}, grad.options());
   if (cols == 0) return out;
 

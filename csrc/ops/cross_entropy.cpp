@@ -17,39 +17,40 @@ constexpr const char* kBackward = "cross_entropy_backward";
 
 void check_logits(const char* op, const at::Tensor& logits) {
   const std::string what = arg_name(op, "logits");
-  TORCH_CHECK(logits.defined(), what, " is undefined");
+  MIXPREC_CHECK(logits.defined(), what, " is undefined");
   kernel_dtype(logits, what);
-  TORCH_CHECK_VALUE(logits.dim() == 2, what, " must be 2-D [N, V], got shape ", shape(logits.sym_sizes()));
-  TORCH_CHECK_VALUE(logits.sym_size(1) >= 1, what, " has no classes (shape ", shape(logits.sym_sizes()), ")");
-  TORCH_CHECK(logits.is_contiguous(), what, " is not contiguous; mixprec's cross_entropy reads rows in place");
+  MIXPREC_CHECK_VALUE(logits.dim() == 2, what, " must be 2-D [N, V], got shape ", shape(logits.sym_sizes()));
+  MIXPREC_CHECK_VALUE(logits.sym_size(1) >= 1, what, " has no classes (shape ", shape(logits.sym_sizes()), ")");
+  MIXPREC_CHECK(logits.is_contiguous(), what, " is not contiguous; mixprec's cross_entropy reads rows in place");
 }
 
 // A [N] tensor beside logits [N, V]: same device, the given dtype, contiguous.
 void check_row_vector(const char* op, const char* arg, const at::Tensor& t, const at::Tensor& logits,
                       at::ScalarType dtype) {
   const std::string what = arg_name(op, arg);
-  TORCH_CHECK(t.defined(), what, " is undefined");
-  TORCH_CHECK(t.device() == logits.device(), what, " is on ", t.device().str(), " but logits is on ",
-              logits.device().str());
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, what, " has dtype ", t.scalar_type(), "; expected ", dtype);
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) == logits.sym_size(0), what, " must have shape [N] = [",
-                    num(logits.sym_size(0)), "] for logits of shape ", shape(logits.sym_sizes()), ", got ",
-                    shape(t.sym_sizes()));
-  TORCH_CHECK(t.is_contiguous(), what, " is not contiguous");
+  MIXPREC_CHECK(t.defined(), what, " is undefined");
+  MIXPREC_CHECK(t.device() == logits.device(), what, " is on ", t.device().str(), " but logits is on ",
+                logits.device().str());
+  MIXPREC_CHECK_TYPE(t.scalar_type() == dtype, what, " has dtype ", t.scalar_type(), "; expected ", dtype);
+  MIXPREC_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) == logits.sym_size(0), what, " must have shape [N] = [",
+                      num(logits.sym_size(0)), "] for logits of shape ", shape(logits.sym_sizes()), ", got ",
+                      shape(t.sym_sizes()));
+  MIXPREC_CHECK(t.is_contiguous(), what, " is not contiguous");
 }
 
 // The kernels index a row with int and launch one CUDA block per row.
 void check_extent(const char* op, const at::Tensor& logits) {
-  TORCH_CHECK_VALUE(logits.size(0) <= INT_MAX && logits.size(1) <= INT_MAX, arg_name(op, "logits"), " has shape ",
-                    shape(logits.sizes()), "; N and V must each be below 2^31");
+  MIXPREC_CHECK_VALUE(logits.size(0) <= INT_MAX && logits.size(1) <= INT_MAX, arg_name(op, "logits"), " has shape ",
+                      shape(logits.sizes()), "; N and V must each be below 2^31");
 }
 
 // Host-side look at every target (CPU only): the first one outside [0, V) that is not ignored.
 void check_target_values(const char* op, const at::Tensor& target, int64_t ignore_index, int64_t vocab) {
   const int64_t* t = target.data_ptr<int64_t>();
   for (int64_t i = 0; i < target.numel(); ++i)
-    TORCH_CHECK_INDEX(t[i] == ignore_index || kernels::target_in_range(t[i], vocab), arg_name(op, "target", i), " is ",
-                      num(t[i]), ", outside [0, ", num(vocab), ") and not ignore_index (", num(ignore_index), ")");
+    MIXPREC_CHECK_INDEX(t[i] == ignore_index || kernels::target_in_range(t[i], vocab), arg_name(op, "target", i),
+                        " is ", num(t[i]), ", outside [0, ", num(vocab), ") and not ignore_index (", num(ignore_index),
+                        ")");
 }
 
 }  // namespace

@@ -17,17 +17,17 @@ constexpr const char* kOp = "lamb_";
 
 // local_norms / trust_norms: float32 [2, n], row 0 ||w|| and row 1 ||u|| per tensor.
 void check_norms_shape(const char* arg, const at::Tensor& t, int64_t n) {
-  TORCH_CHECK(t.defined(), arg_name(kOp, arg), " is undefined");
-  TORCH_CHECK_VALUE(t.dim() == 2 && t.sym_size(0) == 2 && t.sym_size(1) == n, arg_name(kOp, arg),
-                    " must have shape [2, ", num(n), "] (||w|| and ||u|| per tensor of params), got ",
-                    shape(t.sym_sizes()));
+  MIXPREC_CHECK(t.defined(), arg_name(kOp, arg), " is undefined");
+  MIXPREC_CHECK_VALUE(t.dim() == 2 && t.sym_size(0) == 2 && t.sym_size(1) == n, arg_name(kOp, arg),
+                      " must have shape [2, ", num(n), "] (||w|| and ||u|| per tensor of params), got ",
+                      shape(t.sym_sizes()));
 }
 
 void check_norms_storage(const char* arg, const at::Tensor& t, const at::Device& device) {
-  TORCH_CHECK(t.device() == device, arg_name(kOp, arg), " is on ", t.device(), " but the op runs on ", device);
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, arg_name(kOp, arg), " has dtype ", t.scalar_type(),
-                   "; expected float32");
-  TORCH_CHECK(t.is_contiguous(), arg_name(kOp, arg), " is not contiguous");
+  MIXPREC_CHECK(t.device() == device, arg_name(kOp, arg), " is on ", t.device(), " but the op runs on ", device);
+  MIXPREC_CHECK_TYPE(t.scalar_type() == at::kFloat, arg_name(kOp, arg), " has dtype ", t.scalar_type(),
+                     "; expected float32");
+  MIXPREC_CHECK(t.is_contiguous(), arg_name(kOp, arg), " is not contiguous");
 }
 
 // Checks that need no data: list lengths, the split step's norm shapes.
@@ -35,13 +35,13 @@ void check_shapes(const LambInputs& in) {
   const int64_t n = static_cast<int64_t>(in.params.size());
   for (const NamedList& l :
        {NamedList{"grads", in.grads}, NamedList{"exp_avgs", in.exp_avgs}, NamedList{"exp_avg_sqs", in.exp_avg_sqs}})
-    TORCH_CHECK_VALUE(static_cast<int64_t>(l.tensors.size()) == n, arg_name(kOp, l.name), " has ",
-                      num(l.tensors.size()), " tensors but params has ", num(n));
-  TORCH_CHECK_VALUE(in.master_params.empty() || static_cast<int64_t>(in.master_params.size()) == n,
-                    arg_name(kOp, "master_params"), " has ", num(in.master_params.size()), " tensors but params has ",
-                    num(n));
-  TORCH_CHECK_VALUE(!(in.local_norms && in.trust_norms), arg_name(kOp, "local_norms"),
-                    " and trust_norms are the two halves of a split step: pass one of them, not both");
+    MIXPREC_CHECK_VALUE(static_cast<int64_t>(l.tensors.size()) == n, arg_name(kOp, l.name), " has ",
+                        num(l.tensors.size()), " tensors but params has ", num(n));
+  MIXPREC_CHECK_VALUE(in.master_params.empty() || static_cast<int64_t>(in.master_params.size()) == n,
+                      arg_name(kOp, "master_params"), " has ", num(in.master_params.size()), " tensors but params has ",
+                      num(n));
+  MIXPREC_CHECK_VALUE(!(in.local_norms && in.trust_norms), arg_name(kOp, "local_norms"),
+                      " and trust_norms are the two halves of a split step: pass one of them, not both");
   if (in.local_norms) check_norms_shape("local_norms", *in.local_norms, n);
   if (in.trust_norms) check_norms_shape("trust_norms", *in.trust_norms, n);
 }
@@ -61,10 +61,10 @@ void lamb_impl(const LambInputs& in, const LambRunners& run, bool validate_only)
   check_range(kOp, "max_grad_norm", a.max_grad_norm, 0.0, INFINITY);
   check_shapes(in);
   const bool trust_ratio = a.weight_decay != 0.0 || a.use_nvlamb;
-  TORCH_CHECK_VALUE(trust_ratio || !(local_norms || trust_norms),
-                    arg_name(kOp, local_norms ? "local_norms" : "trust_norms"),
-                    ": a split step is for the trust ratio's norms, and this one takes none (weight_decay 0, "
-                    "use_nvlamb false): it is one element-wise pass, call lamb_ once without them");
+  MIXPREC_CHECK_VALUE(trust_ratio || !(local_norms || trust_norms),
+                      arg_name(kOp, local_norms ? "local_norms" : "trust_norms"),
+                      ": a split step is for the trust ratio's norms, and this one takes none (weight_decay 0, "
+                      "use_nvlamb false): it is one element-wise pass, call lamb_ once without them");
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
   const kernels::StepScalars scalars = step_scalars(kOp, device, in.step, a.bias_correction || a.stochastic_rounding);

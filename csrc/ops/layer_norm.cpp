@@ -16,37 +16,37 @@ constexpr const char* kBackward = "layer_norm_backward";
 
 void check_rows(const char* op, const char* arg, const at::Tensor& t) {
   const std::string what = arg_name(op, arg);
-  TORCH_CHECK(t.defined(), what, " is undefined");
+  MIXPREC_CHECK(t.defined(), what, " is undefined");
   kernel_dtype(t, what);
-  TORCH_CHECK_VALUE(t.dim() == 2, what, " must be 2-D [rows, normalized size], got shape ", shape(t.sym_sizes()));
-  TORCH_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's layer_norm reads rows in place");
+  MIXPREC_CHECK_VALUE(t.dim() == 2, what, " must be 2-D [rows, normalized size], got shape ", shape(t.sym_sizes()));
+  MIXPREC_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's layer_norm reads rows in place");
   // The kernels index a row's columns with int.
-  TORCH_CHECK_VALUE(t.sym_size(1) <= INT_MAX, what, " has shape ", shape(t.sym_sizes()),
-                    "; the normalized size must be below 2^31");
+  MIXPREC_CHECK_VALUE(t.sym_size(1) <= INT_MAX, what, " has shape ", shape(t.sym_sizes()),
+                      "; the normalized size must be below 2^31");
 }
 
 // weight or bias: [cols], input's dtype and device, contiguous.
 void check_param(const char* op, const char* arg, const std::optional<at::Tensor>& t, const at::Tensor& input) {
   if (!t.has_value() || !t->defined()) return;
   const std::string what = arg_name(op, arg);
-  TORCH_CHECK_VALUE(t->dim() == 1 && t->sym_size(0) == input.sym_size(1), what, " must have shape [",
-                    num(input.sym_size(1)), "] (the normalized size), got ", shape(t->sym_sizes()));
-  TORCH_CHECK_TYPE(t->scalar_type() == input.scalar_type(), what, " is ", t->scalar_type(), " but input is ",
-                   input.scalar_type(), "; both must have one dtype");
-  TORCH_CHECK(t->device() == input.device(), what, " is on ", t->device(), " but input is on ", input.device());
-  TORCH_CHECK(t->is_contiguous(), what, " is not contiguous");
+  MIXPREC_CHECK_VALUE(t->dim() == 1 && t->sym_size(0) == input.sym_size(1), what, " must have shape [",
+                      num(input.sym_size(1)), "] (the normalized size), got ", shape(t->sym_sizes()));
+  MIXPREC_CHECK_TYPE(t->scalar_type() == input.scalar_type(), what, " is ", t->scalar_type(), " but input is ",
+                     input.scalar_type(), "; both must have one dtype");
+  MIXPREC_CHECK(t->device() == input.device(), what, " is on ", t->device(), " but input is on ", input.device());
+  MIXPREC_CHECK(t->is_contiguous(), what, " is not contiguous");
 }
 
 // One fp32 value per row of input, on its device.
 void check_stat(const char* arg, const at::Tensor& t, const at::Tensor& input) {
   const std::string what = arg_name(kBackward, arg);
-  TORCH_CHECK(t.defined(), what, " is undefined");
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, what, " must be float32 (layer_norm_forward's), got ",
-                   t.scalar_type());
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) == input.sym_size(0), what, " must have shape [",
-                    num(input.sym_size(0)), "] (one value per row of input), got ", shape(t.sym_sizes()));
-  TORCH_CHECK(t.device() == input.device(), what, " is on ", t.device(), " but input is on ", input.device());
-  TORCH_CHECK(t.is_contiguous(), what, " is not contiguous");
+  MIXPREC_CHECK(t.defined(), what, " is undefined");
+  MIXPREC_CHECK_TYPE(t.scalar_type() == at::kFloat, what, " must be float32 (layer_norm_forward's), got ",
+                     t.scalar_type());
+  MIXPREC_CHECK_VALUE(t.dim() == 1 && t.sym_size(0) == input.sym_size(0), what, " must have shape [",
+                      num(input.sym_size(0)), "] (one value per row of input), got ", shape(t.sym_sizes()));
+  MIXPREC_CHECK(t.device() == input.device(), what, " is on ", t.device(), " but input is on ", input.device());
+  MIXPREC_CHECK(t.is_contiguous(), what, " is not contiguous");
 }
 
 const void* ptr_or_null(const std::optional<at::Tensor>& t) {
@@ -66,12 +66,12 @@ void check_layer_norm_backward(const at::Tensor& grad_out, const at::Tensor& inp
                                const at::Tensor& rstd, const std::optional<at::Tensor>& weight) {
   check_rows(kBackward, "input", input);
   check_rows(kBackward, "grad_out", grad_out);
-  TORCH_CHECK_TYPE(grad_out.scalar_type() == input.scalar_type(), arg_name(kBackward, "grad_out"), " is ",
-                   grad_out.scalar_type(), " but input is ", input.scalar_type(), "; both must have one dtype");
-  TORCH_CHECK(grad_out.device() == input.device(), arg_name(kBackward, "grad_out"), " is on ", grad_out.device(),
-              " but input is on ", input.device());
-  TORCH_CHECK_VALUE(grad_out.sym_sizes() == input.sym_sizes(), arg_name(kBackward, "grad_out"), " has shape ",
-                    shape(grad_out.sym_sizes()), " but input has shape ", shape(input.sym_sizes()));
+  MIXPREC_CHECK_TYPE(grad_out.scalar_type() == input.scalar_type(), arg_name(kBackward, "grad_out"), " is ",
+                     grad_out.scalar_type(), " but input is ", input.scalar_type(), "; both must have one dtype");
+  MIXPREC_CHECK(grad_out.device() == input.device(), arg_name(kBackward, "grad_out"), " is on ", grad_out.device(),
+                " but input is on ", input.device());
+  MIXPREC_CHECK_VALUE(grad_out.sym_sizes() == input.sym_sizes(), arg_name(kBackward, "grad_out"), " has shape ",
+                      shape(grad_out.sym_sizes()), " but input has shape ", shape(input.sym_sizes()));
   check_stat("mean", mean, input);
   check_stat("rstd", rstd, input);
   check_param(kBackward, "weight", weight, input);

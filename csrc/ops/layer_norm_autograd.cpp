@@ -21,17 +21,17 @@ constexpr const char* kOp = "layer_norm";
 // torch's rules, with errors that name mixprec's op and the argument; returns the normalized size.
 int64_t check_layer_norm(const at::Tensor& input, at::IntArrayRef normalized_shape,
                          const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.defined(), arg_name(kOp, "input"), " is undefined");
+  MIXPREC_CHECK(input.defined(), arg_name(kOp, "input"), " is undefined");
   const auto dims = static_cast<int64_t>(normalized_shape.size());
-  TORCH_CHECK_VALUE(dims >= 1, arg_name(kOp, "normalized_shape"), " must have at least one dimension");
-  TORCH_CHECK_VALUE(input.dim() >= dims && input.sizes().slice(input.dim() - dims) == normalized_shape,
-                    arg_name(kOp, "input"), " has shape ", shape(input.sizes()), "; its last dimensions must be ",
-                    "normalized_shape ", shape(normalized_shape));
+  MIXPREC_CHECK_VALUE(dims >= 1, arg_name(kOp, "normalized_shape"), " must have at least one dimension");
+  MIXPREC_CHECK_VALUE(input.dim() >= dims && input.sizes().slice(input.dim() - dims) == normalized_shape,
+                      arg_name(kOp, "input"), " has shape ", shape(input.sizes()), "; its last dimensions must be ",
+                      "normalized_shape ", shape(normalized_shape));
   for (const auto& [arg, t] : {std::pair<const char*, const std::optional<at::Tensor>&>{"weight", weight},
                                std::pair<const char*, const std::optional<at::Tensor>&>{"bias", bias}}) {
     if (t.has_value() && t->defined())
-      TORCH_CHECK_VALUE(t->sizes() == normalized_shape, arg_name(kOp, arg), " must have shape normalized_shape ",
-                        shape(normalized_shape), ", got ", shape(t->sizes()));
+      MIXPREC_CHECK_VALUE(t->sizes() == normalized_shape, arg_name(kOp, arg), " must have shape normalized_shape ",
+                          shape(normalized_shape), ", got ", shape(t->sizes()));
   }
   int64_t cols = 1;
   for (const int64_t d : normalized_shape) cols *= d;

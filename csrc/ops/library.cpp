@@ -13,6 +13,7 @@
 
 #include <string>
 
+#include <mixprec/ops.h>  // declares built_torch_version MIXPREC_API: its definition below is exported
 #include <mixprec/optim_args.h>
 
 #include "ops/format.h"

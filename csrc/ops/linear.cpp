@@ -18,17 +18,18 @@ constexpr const char* kOp = "linear";
 
 // at::linear checks too, but its messages do not name mixprec's op or the argument.
 void check_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(input.defined() && weight.defined(), arg_name(kOp, input.defined() ? "weight" : "input"),
-              " is undefined");
-  TORCH_CHECK_VALUE(weight.dim() == 2, arg_name(kOp, "weight"), " must be 2-D [out_features, in_features], got shape ",
-                    shape(weight.sym_sizes()));
-  TORCH_CHECK_VALUE(input.dim() >= 1 && input.sym_size(-1) == weight.sym_size(1), arg_name(kOp, "input"), " has shape ",
-                    shape(input.sym_sizes()), "; its last dimension must be in_features = ", num(weight.sym_size(1)),
-                    " of weight ", shape(weight.sym_sizes()));
+  MIXPREC_CHECK(input.defined() && weight.defined(), arg_name(kOp, input.defined() ? "weight" : "input"),
+                " is undefined");
+  MIXPREC_CHECK_VALUE(weight.dim() == 2, arg_name(kOp, "weight"),
+                      " must be 2-D [out_features, in_features], got shape ", shape(weight.sym_sizes()));
+  MIXPREC_CHECK_VALUE(input.dim() >= 1 && input.sym_size(-1) == weight.sym_size(1), arg_name(kOp, "input"),
+                      " has shape ", shape(input.sym_sizes()),
+                      "; its last dimension must be in_features = ", num(weight.sym_size(1)), " of weight ",
+                      shape(weight.sym_sizes()));
   if (bias.has_value() && bias->defined())
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), arg_name(kOp, "bias"),
-                      " must have shape [out_features] = [", num(weight.sym_size(0)), "], got ",
-                      shape(bias->sym_sizes()));
+    MIXPREC_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), arg_name(kOp, "bias"),
+                        " must have shape [out_features] = [", num(weight.sym_size(0)), "], got ",
+                        shape(bias->sym_sizes()));
 }
 
 at::Tensor linear_forward(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {

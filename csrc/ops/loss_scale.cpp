@@ -14,7 +14,7 @@ void non_finite_check_and_unscale_impl(at::TensorList grads, const std::optional
                                        const std::optional<at::Tensor>& per_tensor_found, UnscaleRunner run) {
   constexpr const char* kOp = "non_finite_check_and_unscale_";
   if (grads.empty()) {
-    TORCH_CHECK_VALUE(out.empty(), arg_name(kOp, "out"), " has ", num(out.size()), " tensors but grads has 0");
+    MIXPREC_CHECK_VALUE(out.empty(), arg_name(kOp, "out"), " has ", num(out.size()), " tensors but grads has 0");
     return;
   }
   // The grads decide the device, so a misplaced scalar is the argument the error names.
@@ -24,11 +24,11 @@ void non_finite_check_and_unscale_impl(at::TensorList grads, const std::optional
   if (per_tensor_found) {
     const at::Tensor& f = *per_tensor_found;
     const std::string what = arg_name(kOp, "per_tensor_found");
-    TORCH_CHECK(f.device() == device, what, " is on ", f.device().str(), " but the op runs on ", device.str());
-    TORCH_CHECK_TYPE(f.scalar_type() == at::kFloat, what, " has dtype ", f.scalar_type(), "; expected float32");
-    TORCH_CHECK_VALUE(f.dim() == 1 && f.numel() == static_cast<int64_t>(grads.size()) && f.is_contiguous(), what,
-                      " must be a contiguous float32 vector of len(grads) = ", num(grads.size()), ", got shape ",
-                      shape(f.sizes()));
+    MIXPREC_CHECK(f.device() == device, what, " is on ", f.device().str(), " but the op runs on ", device.str());
+    MIXPREC_CHECK_TYPE(f.scalar_type() == at::kFloat, what, " has dtype ", f.scalar_type(), "; expected float32");
+    MIXPREC_CHECK_VALUE(f.dim() == 1 && f.numel() == static_cast<int64_t>(grads.size()) && f.is_contiguous(), what,
+                        " must be a contiguous float32 vector of len(grads) = ", num(grads.size()), ", got shape ",
+                        shape(f.sizes()));
   }
 
   // In place: the output list is the input list. Check only: a single list, never written.
@@ -60,19 +60,19 @@ void update_scale_impl(const at::Tensor& scale, const at::Tensor& growth_tracker
   if (hysteresis_tracker) check_scalar_tensor(kOp, "hysteresis_tracker", *hysteresis_tracker, device, at::kInt);
   if (skipped_steps) check_scalar_tensor(kOp, "skipped_steps", *skipped_steps, device, at::kLong);
   check_scalar_tensor(kOp, "found_inf", found_inf, device);
-  TORCH_CHECK_VALUE(growth_factor > 0, arg_name(kOp, "growth_factor"), " must be positive, got ", num(growth_factor));
-  TORCH_CHECK_VALUE(backoff_factor > 0, arg_name(kOp, "backoff_factor"), " must be positive, got ",
-                    num(backoff_factor));
-  TORCH_CHECK_VALUE(growth_interval >= 1 && growth_interval <= INT32_MAX, arg_name(kOp, "growth_interval"),
-                    " must be a positive 32-bit integer, got ", num(growth_interval));
-  TORCH_CHECK_VALUE(hysteresis >= 1 && hysteresis <= INT32_MAX, arg_name(kOp, "hysteresis"),
-                    " must be a positive 32-bit integer, got ", num(hysteresis));
-  TORCH_CHECK_VALUE(min_scale >= 0 && std::isfinite(min_scale), arg_name(kOp, "min_scale"),
-                    " must be finite and >= 0, got ", num(min_scale));
-  TORCH_CHECK_VALUE(max_scale == 0 || max_scale >= min_scale, arg_name(kOp, "max_scale"),
-                    " must be 0 (no cap) or >= min_scale = ", num(min_scale), ", got ", num(max_scale));
-  TORCH_CHECK_VALUE(hysteresis == 1 || hysteresis_tracker.has_value(), arg_name(kOp, "hysteresis_tracker"),
-                    " is required when hysteresis > 1");
+  MIXPREC_CHECK_VALUE(growth_factor > 0, arg_name(kOp, "growth_factor"), " must be positive, got ", num(growth_factor));
+  MIXPREC_CHECK_VALUE(backoff_factor > 0, arg_name(kOp, "backoff_factor"), " must be positive, got ",
+                      num(backoff_factor));
+  MIXPREC_CHECK_VALUE(growth_interval >= 1 && growth_interval <= INT32_MAX, arg_name(kOp, "growth_interval"),
+                      " must be a positive 32-bit integer, got ", num(growth_interval));
+  MIXPREC_CHECK_VALUE(hysteresis >= 1 && hysteresis <= INT32_MAX, arg_name(kOp, "hysteresis"),
+                      " must be a positive 32-bit integer, got ", num(hysteresis));
+  MIXPREC_CHECK_VALUE(min_scale >= 0 && std::isfinite(min_scale), arg_name(kOp, "min_scale"),
+                      " must be finite and >= 0, got ", num(min_scale));
+  MIXPREC_CHECK_VALUE(max_scale == 0 || max_scale >= min_scale, arg_name(kOp, "max_scale"),
+                      " must be 0 (no cap) or >= min_scale = ", num(min_scale), ", got ", num(max_scale));
+  MIXPREC_CHECK_VALUE(hysteresis == 1 || hysteresis_tracker.has_value(), arg_name(kOp, "hysteresis_tracker"),
+                      " is required when hysteresis > 1");
 
   kernels::ScaleUpdateParams p;
   p.scale = scale.data_ptr<float>();

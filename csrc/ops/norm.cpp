@@ -12,7 +12,7 @@ namespace mixprec::detail {
 kernels::NormType norm_type_of(const char* op, double ord) {
   if (ord == 2.0) return kernels::NormType::kL2;
   if (std::isinf(ord) && ord > 0) return kernels::NormType::kInf;
-  TORCH_CHECK_VALUE(false, arg_name(op, "ord"), " must be 2 or inf, got ", num(ord));
+  MIXPREC_CHECK_VALUE(false, arg_name(op, "ord"), " must be 2 or inf, got ", num(ord));
   return kernels::NormType::kL2;  // unreachable
 }
 

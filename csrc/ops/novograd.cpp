@@ -17,8 +17,8 @@ constexpr const char* kOp = "novograd_";
 kernels::NormType novograd_norm_type(double norm_type) {
   if (norm_type == 2.0) return kernels::NormType::kL2;
   if (std::isinf(norm_type) && norm_type > 0) return kernels::NormType::kInf;
-  TORCH_CHECK_VALUE(false, arg_name(kOp, "norm_type"), " must be 2 or inf, got ", num(norm_type),
-                    " (Apex's norm_type=0 for the infinity norm is translated by FusedNovoGrad)");
+  MIXPREC_CHECK_VALUE(false, arg_name(kOp, "norm_type"), " must be 2 or inf, got ", num(norm_type),
+                      " (Apex's norm_type=0 for the infinity norm is translated by FusedNovoGrad)");
   return kernels::NormType::kL2;  // unreachable
 }
 
@@ -46,25 +46,25 @@ std::vector<kernels::TensorGroup> grad_groups(const PackedLists& packed) {
 }
 
 void check_list_length(const char* name, int64_t got, int64_t n, const char* hint) {
-  TORCH_CHECK_VALUE(got == n, arg_name(kOp, name), " has ", num(got), " tensors but ", arg_name(kOp, "params"), " has ",
-                    num(n), hint);
+  MIXPREC_CHECK_VALUE(got == n, arg_name(kOp, name), " has ", num(got), " tensors but ", arg_name(kOp, "params"),
+                      " has ", num(n), hint);
 }
 
 // A float32 vector of one value per tensor of params (exp_avg_sq_norms, grad_norms): its shape,
 // symbolically, since the Meta impl sees torch.compile's fake tensors.
 void check_per_tensor_shape(const char* arg, const at::Tensor& t, int64_t n, const char* meaning) {
   const std::string what = arg_name(kOp, arg);
-  TORCH_CHECK(t.defined(), what, " is undefined");
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.sym_numel() == n, what, " must have shape [", num(n), "] (", meaning, "), got ",
-                    shape(t.sym_sizes()));
+  MIXPREC_CHECK(t.defined(), what, " is undefined");
+  MIXPREC_CHECK_VALUE(t.dim() == 1 && t.sym_numel() == n, what, " must have shape [", num(n), "] (", meaning, "), got ",
+                      shape(t.sym_sizes()));
 }
 
 // ... and its storage, once the op's device is known.
 void check_per_tensor_storage(const char* arg, const at::Tensor& t, const at::Device& device) {
   const std::string what = arg_name(kOp, arg);
-  TORCH_CHECK(t.device() == device, what, " is on ", t.device(), " but the op runs on ", device);
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, what, " has dtype ", t.scalar_type(), "; expected float32");
-  TORCH_CHECK(t.is_contiguous(), what, " is not contiguous");
+  MIXPREC_CHECK(t.device() == device, what, " is on ", t.device(), " but the op runs on ", device);
+  MIXPREC_CHECK_TYPE(t.scalar_type() == at::kFloat, what, " has dtype ", t.scalar_type(), "; expected float32");
+  MIXPREC_CHECK(t.is_contiguous(), what, " is not contiguous");
 }
 
 // Checks that need no data: list lengths, the per-tensor vectors' shapes.

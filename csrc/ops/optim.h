@@ -78,8 +78,8 @@ MIXPREC_OPTIM_FAMILIES(MIXPREC_DEFINE_OPTIM_INPUTS)
 template <class Inputs> bool nothing_to_step(const char* op, const Inputs& in) {
   if (!in.params.empty()) return false;
   for (const ListRef& l : in.lists())
-    TORCH_CHECK_VALUE(l.tensors->empty(), arg_name(op, "params"), " is empty but ", l.list_name, " has ",
-                      num(l.tensors->size()), " tensors");
+    MIXPREC_CHECK_VALUE(l.tensors->empty(), arg_name(op, "params"), " is empty but ", l.list_name, " has ",
+                        num(l.tensors->size()), " tensors");
   return true;
 }
 

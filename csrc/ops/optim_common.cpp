@@ -23,15 +23,15 @@ kernels::StepScalars step_scalars(const char* op, const at::Device& device, cons
     check_scalar_tensor(op, "step_tensor", *step_tensor, device);
     s.step_tensor = step_tensor->data_ptr<float>();
   } else {
-    TORCH_CHECK_VALUE(!needs_step || step >= 1, arg_name(op, "step"),
-                      " must be >= 1 (the count including this step) when no step_tensor is given, got ", num(step));
+    MIXPREC_CHECK_VALUE(!needs_step || step >= 1, arg_name(op, "step"),
+                        " must be >= 1 (the count including this step) when no step_tensor is given, got ", num(step));
     s.step = static_cast<float>(step);
   }
   if (lr_tensor) {
     check_scalar_tensor(op, "lr_tensor", *lr_tensor, device);
     s.lr_tensor = lr_tensor->data_ptr<float>();
   } else {
-    TORCH_CHECK_VALUE(std::isfinite(lr) && lr >= 0, arg_name(op, "lr"), " must be finite and >= 0, got ", num(lr));
+    MIXPREC_CHECK_VALUE(std::isfinite(lr) && lr >= 0, arg_name(op, "lr"), " must be finite and >= 0, got ", num(lr));
     s.lr = static_cast<float>(lr);
   }
   if (grad_scale) {
@@ -47,8 +47,8 @@ kernels::StepScalars step_scalars(const char* op, const at::Device& device, cons
 
 void check_range(const char* op, const char* name, double v, double lo, double hi, bool hi_open) {
   const bool ok = v >= lo && (hi_open ? v < hi : v <= hi);
-  TORCH_CHECK_VALUE(ok, arg_name(op, name), " must be in [", num(lo), ", ", num(hi), hi_open ? ")" : "]", ", got ",
-                    num(v));
+  MIXPREC_CHECK_VALUE(ok, arg_name(op, name), " must be in [", num(lo), ", ", num(hi), hi_open ? ")" : "]", ", got ",
+                      num(v));
 }
 
 void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, const NamedList* like) {
@@ -57,12 +57,12 @@ void check_state_dtypes(const char* op, const NamedList& list, bool allow_bf16, 
     if (!t.defined()) continue;  // reported by pack_lists with its index
     const auto dt = t.scalar_type();
     const bool ok = dt == at::kFloat || (allow_bf16 && dt == at::kBFloat16);
-    TORCH_CHECK_TYPE(ok, arg_name(op, list.name, static_cast<int64_t>(i)), " has dtype ", dt,
-                     "; optimizer state must be float32", allow_bf16 ? " or bfloat16" : "");
+    MIXPREC_CHECK_TYPE(ok, arg_name(op, list.name, static_cast<int64_t>(i)), " has dtype ", dt,
+                       "; optimizer state must be float32", allow_bf16 ? " or bfloat16" : "");
     if (like != nullptr && i < like->tensors.size() && like->tensors[i].defined())
-      TORCH_CHECK_TYPE(dt == like->tensors[i].scalar_type(), arg_name(op, list.name, static_cast<int64_t>(i)),
-                       " has dtype ", dt, " but ", arg_name(op, like->name, static_cast<int64_t>(i)), " has ",
-                       like->tensors[i].scalar_type());
+      MIXPREC_CHECK_TYPE(dt == like->tensors[i].scalar_type(), arg_name(op, list.name, static_cast<int64_t>(i)),
+                         " has dtype ", dt, " but ", arg_name(op, like->name, static_cast<int64_t>(i)), " has ",
+                         like->tensors[i].scalar_type());
   }
 }
 
@@ -71,14 +71,14 @@ WeightLists weight_lists(const char* op, at::TensorList params, at::TensorList m
   WeightLists out;
   mode.has_master = !master_params.empty();
   mode.seed = static_cast<uint64_t>(seed);
-  TORCH_CHECK_VALUE(!stochastic_rounding || master_params.empty(), arg_name(op, "stochastic_rounding"),
-                    " rounds params kept without masters (pure bfloat16 training); master_params must be empty, got ",
-                    num(master_params.size()), " tensors");
+  MIXPREC_CHECK_VALUE(!stochastic_rounding || master_params.empty(), arg_name(op, "stochastic_rounding"),
+                      " rounds params kept without masters (pure bfloat16 training); master_params must be empty, got ",
+                      num(master_params.size()), " tensors");
   for (size_t i = 0; i < params.size(); ++i) {
     const auto index = static_cast<int64_t>(i);
     if (!stochastic_rounding || !params[i].defined()) continue;
-    TORCH_CHECK_TYPE(params[i].scalar_type() != at::kHalf, arg_name(op, "params", index),
-                     " is float16; stochastic_rounding rounds to bfloat16 (float32 params are stored exactly)");
+    MIXPREC_CHECK_TYPE(params[i].scalar_type() != at::kHalf, arg_name(op, "params", index),
+                       " is float16; stochastic_rounding rounds to bfloat16 (float32 params are stored exactly)");
   }
   for (size_t i = 0; i < master_params.size(); ++i) {
     const at::Tensor& m = master_params[i];
@@ -89,15 +89,15 @@ WeightLists weight_lists(const char* op, at::TensorList params, at::TensorList m
     }
     if (m.scalar_type() == at::kShort) {
       const bool bf16 = i < params.size() && params[i].defined() && params[i].scalar_type() == at::kBFloat16;
-      TORCH_CHECK_TYPE(bf16 || i >= params.size() || !params[i].defined(), arg_name(op, "master_params", index),
-                       " is an int16 remainder, which needs a bfloat16 param; params[", num(index), "] is ",
-                       params[i].scalar_type());
+      MIXPREC_CHECK_TYPE(bf16 || i >= params.size() || !params[i].defined(), arg_name(op, "master_params", index),
+                         " is an int16 remainder, which needs a bfloat16 param; params[", num(index), "] is ",
+                         params[i].scalar_type());
       out.masters.push_back(m.view(at::kBFloat16));
       continue;
     }
-    TORCH_CHECK_TYPE(m.scalar_type() == at::kFloat, arg_name(op, "master_params", index), " has dtype ",
-                     m.scalar_type(), "; expected float32 (an fp32 master) or int16 (the low half of a bfloat16 ",
-                     "param's fp32 master)");
+    MIXPREC_CHECK_TYPE(m.scalar_type() == at::kFloat, arg_name(op, "master_params", index), " has dtype ",
+                       m.scalar_type(), "; expected float32 (an fp32 master) or int16 (the low half of a bfloat16 ",
+                       "param's fp32 master)");
     out.masters.push_back(m);
   }
   out.mode = mode;
@@ -115,7 +115,7 @@ namespace {
 void no_tensors(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (const c10::IValue& v : torch::jit::last(*stack, op.schema().arguments().size())) {
     const bool tensor = (v.isTensor() && v.toTensor().defined()) || (v.isTensorList() && !v.toTensorList().empty());
-    TORCH_CHECK(!tensor, std::string(op.schema().name()), ": no kernel for the device of the given tensors");
+    MIXPREC_CHECK(!tensor, std::string(op.schema().name()), ": no kernel for the device of the given tensors");
   }
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
 }
@@ -132,8 +132,8 @@ void optim_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (size_t i = 1; i < args.size(); ++i) {
     if (!in[i].isTensorList()) continue;
     const size_t k = in[i].toTensorList().size();
-    TORCH_CHECK_VALUE(k == 0 || k == n, arg_name(name.c_str(), args[i].name().c_str()), " has ", num(k),
-                      " tensors but params has ", num(n));
+    MIXPREC_CHECK_VALUE(k == 0 || k == n, arg_name(name.c_str(), args[i].name().c_str()), " has ", num(k),
+                        " tensors but params has ", num(n));
   }
   torch::jit::drop(*stack, args.size());
 }

@@ -25,17 +25,17 @@ bool same_shape(c10::SymIntArrayRef sizes, at::IntArrayRef want) {
 // input or grad_out: a kernel dtype, contiguous, ending in normalized_shape.
 void check_rows(const char* op, const char* arg, const at::Tensor& t, at::IntArrayRef normalized_shape) {
   const std::string what = arg_name(op, arg);
-  TORCH_CHECK(t.defined(), what, " is undefined");
+  MIXPREC_CHECK(t.defined(), what, " is undefined");
   kernel_dtype(t, what);
   const auto dims = static_cast<int64_t>(normalized_shape.size());
-  TORCH_CHECK_VALUE(dims >= 1, arg_name(op, "normalized_shape"), " must have at least one dimension");
-  TORCH_CHECK_VALUE(t.dim() >= dims && same_shape(t.sym_sizes().slice(t.dim() - dims), normalized_shape), what,
-                    " has shape ", shape(t.sym_sizes()), "; its last dimensions must be normalized_shape ",
-                    shape(normalized_shape));
-  TORCH_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's rms_norm reads rows in place");
+  MIXPREC_CHECK_VALUE(dims >= 1, arg_name(op, "normalized_shape"), " must have at least one dimension");
+  MIXPREC_CHECK_VALUE(t.dim() >= dims && same_shape(t.sym_sizes().slice(t.dim() - dims), normalized_shape), what,
+                      " has shape ", shape(t.sym_sizes()), "; its last dimensions must be normalized_shape ",
+                      shape(normalized_shape));
+  MIXPREC_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's rms_norm reads rows in place");
   // The kernels index a row's columns with int.
-  TORCH_CHECK_VALUE(c10::multiply_integers(normalized_shape) <= INT_MAX, arg_name(op, "normalized_shape"), " ",
-                    shape(normalized_shape), " has more than 2^31 - 1 elements");
+  MIXPREC_CHECK_VALUE(c10::multiply_integers(normalized_shape) <= INT_MAX, arg_name(op, "normalized_shape"), " ",
+                      shape(normalized_shape), " has more than 2^31 - 1 elements");
 }
 
 // weight: normalized_shape, input's dtype or float32 (an fp32 weight for fp16/bf16 inputs, as
@@ -44,13 +44,13 @@ void check_weight(const char* op, const std::optional<at::Tensor>& t, const at::
                   at::IntArrayRef normalized_shape) {
   if (!t.has_value() || !t->defined()) return;
   const std::string what = arg_name(op, "weight");
-  TORCH_CHECK_VALUE(same_shape(t->sym_sizes(), normalized_shape), what, " must have shape ", "normalized_shape ",
-                    shape(normalized_shape), ", got ", shape(t->sym_sizes()));
-  TORCH_CHECK_TYPE(t->scalar_type() == input.scalar_type() || t->scalar_type() == at::kFloat, what, " is ",
-                   t->scalar_type(), " but input is ", input.scalar_type(), "; expected ", input.scalar_type(),
-                   " or float32");
-  TORCH_CHECK(t->device() == input.device(), what, " is on ", t->device(), " but input is on ", input.device());
-  TORCH_CHECK(t->is_contiguous(), what, " is not contiguous");
+  MIXPREC_CHECK_VALUE(same_shape(t->sym_sizes(), normalized_shape), what, " must have shape ", "normalized_shape ",
+                      shape(normalized_shape), ", got ", shape(t->sym_sizes()));
+  MIXPREC_CHECK_TYPE(t->scalar_type() == input.scalar_type() || t->scalar_type() == at::kFloat, what, " is ",
+                     t->scalar_type(), " but input is ", input.scalar_type(), "; expected ", input.scalar_type(),
+                     " or float32");
+  MIXPREC_CHECK(t->device() == input.device(), what, " is on ", t->device(), " but input is on ", input.device());
+  MIXPREC_CHECK(t->is_contiguous(), what, " is not contiguous");
 }
 
 const void* ptr_or_null(const std::optional<at::Tensor>& t) {
@@ -79,22 +79,22 @@ void check_rms_norm_backward(const at::Tensor& grad_out, const at::Tensor& input
   check_rows(kBackward, "input", input, normalized_shape);
   check_rows(kBackward, "grad_out", grad_out, normalized_shape);
   const std::string g = arg_name(kBackward, "grad_out");
-  TORCH_CHECK_TYPE(grad_out.scalar_type() == input.scalar_type(), g, " is ", grad_out.scalar_type(), " but input is ",
-                   input.scalar_type(), "; both must have one dtype");
-  TORCH_CHECK(grad_out.device() == input.device(), g, " is on ", grad_out.device(), " but input is on ",
-              input.device());
-  TORCH_CHECK_VALUE(grad_out.sym_sizes() == input.sym_sizes(), g, " has shape ", shape(grad_out.sym_sizes()),
-                    " but input has shape ", shape(input.sym_sizes()));
+  MIXPREC_CHECK_TYPE(grad_out.scalar_type() == input.scalar_type(), g, " is ", grad_out.scalar_type(), " but input is ",
+                     input.scalar_type(), "; both must have one dtype");
+  MIXPREC_CHECK(grad_out.device() == input.device(), g, " is on ", grad_out.device(), " but input is on ",
+                input.device());
+  MIXPREC_CHECK_VALUE(grad_out.sym_sizes() == input.sym_sizes(), g, " has shape ", shape(grad_out.sym_sizes()),
+                      " but input has shape ", shape(input.sym_sizes()));
   const std::string r = arg_name(kBackward, "rstd");
-  TORCH_CHECK(rstd.defined(), r, " is undefined");
-  TORCH_CHECK_TYPE(rstd.scalar_type() == at::kFloat, r, " must be float32 (rms_norm_forward's), got ",
-                   rstd.scalar_type());
+  MIXPREC_CHECK(rstd.defined(), r, " is undefined");
+  MIXPREC_CHECK_TYPE(rstd.scalar_type() == at::kFloat, r, " must be float32 (rms_norm_forward's), got ",
+                     rstd.scalar_type());
   const auto stat = rms_norm_stat_shape(input, normalized_shape);
-  TORCH_CHECK_VALUE(rstd.sym_sizes() == c10::SymIntArrayRef(stat), r, " must have shape ",
-                    shape(c10::SymIntArrayRef(stat)), " (input's dimensions before normalized_shape), got ",
-                    shape(rstd.sym_sizes()));
-  TORCH_CHECK(rstd.device() == input.device(), r, " is on ", rstd.device(), " but input is on ", input.device());
-  TORCH_CHECK(rstd.is_contiguous(), r, " is not contiguous");
+  MIXPREC_CHECK_VALUE(rstd.sym_sizes() == c10::SymIntArrayRef(stat), r, " must have shape ",
+                      shape(c10::SymIntArrayRef(stat)), " (input's dimensions before normalized_shape), got ",
+                      shape(rstd.sym_sizes()));
+  MIXPREC_CHECK(rstd.device() == input.device(), r, " is on ", rstd.device(), " but input is on ", input.device());
+  MIXPREC_CHECK(rstd.is_contiguous(), r, " is not contiguous");
   check_weight(kBackward, weight, input, normalized_shape);
 }
 

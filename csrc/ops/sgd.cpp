@@ -14,16 +14,16 @@ void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
   const double momentum = a.momentum, dampening = a.dampening;
   check_range(kOp, "momentum", momentum, 0.0, INFINITY, /*hi_open=*/true);
   // torch.optim.SGD accepts any dampening; only a non-finite one is nonsense.
-  TORCH_CHECK_VALUE(std::isfinite(dampening), arg_name(kOp, "dampening"), " must be finite, got ", num(dampening));
+  MIXPREC_CHECK_VALUE(std::isfinite(dampening), arg_name(kOp, "dampening"), " must be finite, got ", num(dampening));
   check_range(kOp, "weight_decay", a.weight_decay, 0.0, INFINITY, true);
-  TORCH_CHECK_VALUE(!a.nesterov || (momentum > 0 && dampening == 0), arg_name(kOp, "nesterov"),
-                    " requires momentum > 0 and dampening == 0, got momentum ", num(momentum), " and dampening ",
-                    num(dampening));
+  MIXPREC_CHECK_VALUE(!a.nesterov || (momentum > 0 && dampening == 0), arg_name(kOp, "nesterov"),
+                      " requires momentum > 0 and dampening == 0, got momentum ", num(momentum), " and dampening ",
+                      num(dampening));
   const bool use_momentum = momentum != 0;
-  TORCH_CHECK_VALUE(use_momentum == present(in.momentum_buffers) || in.params.empty(),
-                    arg_name(kOp, "momentum_buffers"),
-                    use_momentum ? " must hold one float32 buffer per param when momentum != 0"
-                                 : " must be empty when momentum == 0");
+  MIXPREC_CHECK_VALUE(use_momentum == present(in.momentum_buffers) || in.params.empty(),
+                      arg_name(kOp, "momentum_buffers"),
+                      use_momentum ? " must hold one float32 buffer per param when momentum != 0"
+                                   : " must be empty when momentum == 0");
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
   // The step count only decides whether this is momentum's first step.

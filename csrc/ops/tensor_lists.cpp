@@ -22,7 +22,7 @@ kernels::DType kernel_dtype(const at::Tensor& t, const std::string& what) {
     case at::kBFloat16:
       return kernels::DType::kBFloat16;
     default:
-      TORCH_CHECK_TYPE(false, what, " has dtype ", t.scalar_type(), "; expected float32, float16 or bfloat16");
+      MIXPREC_CHECK_TYPE(false, what, " has dtype ", t.scalar_type(), "; expected float32, float16 or bfloat16");
   }
   return kernels::DType::kFloat32;  // unreachable: the check above throws
 }
@@ -35,16 +35,16 @@ bool has_kernel_dtype(const at::Tensor& t) {
 void check_scalar_tensor(const char* op, const char* arg, const at::Tensor& t, const at::Device& device,
                          at::ScalarType dtype) {
   const std::string what = arg_name(op, arg);
-  TORCH_CHECK(t.defined(), what, " is undefined");
-  TORCH_CHECK(t.device() == device, what, " is on ", t.device().str(), " but the op runs on ", device.str());
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, what, " has dtype ", t.scalar_type(), "; expected ", dtype);
-  TORCH_CHECK_VALUE(t.numel() == 1, what, " must hold exactly one element, got ", num(t.numel()));
+  MIXPREC_CHECK(t.defined(), what, " is undefined");
+  MIXPREC_CHECK(t.device() == device, what, " is on ", t.device().str(), " but the op runs on ", device.str());
+  MIXPREC_CHECK_TYPE(t.scalar_type() == dtype, what, " has dtype ", t.scalar_type(), "; expected ", dtype);
+  MIXPREC_CHECK_VALUE(t.numel() == 1, what, " must hold exactly one element, got ", num(t.numel()));
 }
 
 at::Device op_device(const char* op, const NamedList& list, const c10::optional<at::Tensor>& anchor) {
   if (anchor.has_value() && anchor->defined()) return anchor->device();
-  TORCH_CHECK(!list.tensors.empty() && list.tensors[0].defined(), arg_name(op, list.name),
-              " is empty or undefined, so the op's device is unknown");
+  MIXPREC_CHECK(!list.tensors.empty() && list.tensors[0].defined(), arg_name(op, list.name),
+                " is empty or undefined, so the op's device is unknown");
   return list.tensors[0].device();
 }
 
@@ -92,10 +92,10 @@ void check_no_overlap(const char* op, const std::vector<NamedList>& lists) {
     if (other != nullptr && other->end > e.begin) {
       const Extent& w = other->written ? *other : e;  // name a written one first
       const Extent& r = &w == other ? e : *other;
-      TORCH_CHECK_VALUE(false, arg_name(op, lists[w.list].name, w.index), " shares memory with ",
-                        std::string(lists[r.list].name), "[", num(r.index), "]",
-                        "; every tensor the op writes needs memory of its own (no tensor listed twice, no "
-                        "overlapping views, no state tensor reused for another, no grad that is its param)");
+      MIXPREC_CHECK_VALUE(false, arg_name(op, lists[w.list].name, w.index), " shares memory with ",
+                          std::string(lists[r.list].name), "[", num(r.index), "]",
+                          "; every tensor the op writes needs memory of its own (no tensor listed twice, no "
+                          "overlapping views, no state tensor reused for another, no grad that is its param)");
     }
     if (last_any == nullptr || e.end > last_any->end) last_any = &e;
     if (e.written && (last_written == nullptr || e.end > last_written->end)) last_written = &e;
@@ -103,11 +103,11 @@ void check_no_overlap(const char* op, const std::vector<NamedList>& lists) {
 }
 
 PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device, PackRules rules) {
-  TORCH_INTERNAL_ASSERT(!lists.empty() && lists.size() <= static_cast<size_t>(kernels::kMaxLists));
+  MIXPREC_INTERNAL_ASSERT(!lists.empty() && lists.size() <= static_cast<size_t>(kernels::kMaxLists));
   const int64_t n = static_cast<int64_t>(lists[0].tensors.size());
   for (const NamedList& l : lists)
-    TORCH_CHECK_VALUE(static_cast<int64_t>(l.tensors.size()) == n, arg_name(op, l.name), " has ", num(l.tensors.size()),
-                      " tensors but ", arg_name(op, lists[0].name), " has ", num(n));
+    MIXPREC_CHECK_VALUE(static_cast<int64_t>(l.tensors.size()) == n, arg_name(op, l.name), " has ",
+                        num(l.tensors.size()), " tensors but ", arg_name(op, lists[0].name), " has ", num(n));
 
   // Validate everything before packing anything.
   std::vector<std::vector<kernels::DType>> dtypes(lists.size(), std::vector<kernels::DType>(n));
@@ -115,26 +115,27 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
     for (int64_t i = 0; i < n; ++i) {
       const at::Tensor& t = lists[k].tensors[i];
       const std::string what = arg_name(op, lists[k].name, i);
-      TORCH_CHECK(t.defined(), what, " is undefined");
-      TORCH_CHECK(t.device() == device, what, " is on ", t.device().str(), " but the op runs on ", device.str());
+      MIXPREC_CHECK(t.defined(), what, " is undefined");
+      MIXPREC_CHECK(t.device() == device, what, " is on ", t.device().str(), " but the op runs on ", device.str());
       dtypes[k][i] = kernel_dtype(t, what);
       if (!rules.dense_layouts) {
-        TORCH_CHECK(t.is_contiguous(), what, " is not contiguous; mixprec's multi-tensor ops need contiguous tensors");
+        MIXPREC_CHECK(t.is_contiguous(), what,
+                      " is not contiguous; mixprec's multi-tensor ops need contiguous tensors");
       }
-      TORCH_CHECK(t.is_non_overlapping_and_dense(), what, " has strides ", shape(t.strides()), " for shape ",
-                  shape(t.sizes()),
-                  ", which skip or repeat memory; mixprec's multi-tensor ops need dense tensors "
-                  "(contiguous, channels_last or any permutation of dimensions): pass .contiguous()");
+      MIXPREC_CHECK(t.is_non_overlapping_and_dense(), what, " has strides ", shape(t.strides()), " for shape ",
+                    shape(t.sizes()),
+                    ", which skip or repeat memory; mixprec's multi-tensor ops need dense tensors "
+                    "(contiguous, channels_last or any permutation of dimensions): pass .contiguous()");
       if (k == 0) continue;
       const at::Tensor& ref = lists[0].tensors[i];
       const std::string ref_name = arg_name(op, lists[0].name, i);
-      TORCH_CHECK_VALUE(t.sizes().equals(ref.sizes()), what, " has shape ", shape(t.sizes()), " but ", ref_name,
-                        " has shape ", shape(ref.sizes()));
-      TORCH_CHECK_VALUE(same_layout(t, ref), what, " has strides ", shape(t.strides()), " but ", ref_name,
-                        " has strides ", shape(ref.strides()), "; every tensor of one entry needs the layout of ",
-                        std::string(lists[0].name),
-                        "[i] (e.g. p.grad = torch.empty_like(p).copy_(p.grad), or make the state "
-                        "with torch.zeros_like(p))");
+      MIXPREC_CHECK_VALUE(t.sizes().equals(ref.sizes()), what, " has shape ", shape(t.sizes()), " but ", ref_name,
+                          " has shape ", shape(ref.sizes()));
+      MIXPREC_CHECK_VALUE(same_layout(t, ref), what, " has strides ", shape(t.strides()), " but ", ref_name,
+                          " has strides ", shape(ref.strides()), "; every tensor of one entry needs the layout of ",
+                          std::string(lists[0].name),
+                          "[i] (e.g. p.grad = torch.empty_like(p).copy_(p.grad), or make the state "
+                          "with torch.zeros_like(p))");
     }
   }
   if (rules.refuse_overlap) check_no_overlap(op, lists);

@@ -18,6 +18,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <mixprec/export.h>
+
 namespace mixprec::amp {
 
 // ---- GradScaler ---------------------------------------------------------------------------------
@@ -52,7 +54,7 @@ struct GradScalerOptions {
 //   and calls optimizer.step() only if every gradient was finite. torch::optim's C++ optimizers
 //   keep host-side step counts, which a device-side skip could not leave untouched.
 // get_scale(), skipped_steps() and save() read device values: they synchronize.
-class GradScaler {
+class MIXPREC_API GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
 
@@ -109,15 +111,16 @@ class GradScaler {
   std::unordered_map<const torch::optim::Optimizer*, PerOptimizer> per_optimizer_;
 };
 
-torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive, const GradScaler& scaler);
-torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, GradScaler& scaler);
+MIXPREC_API torch::serialize::OutputArchive& operator<<(torch::serialize::OutputArchive& archive,
+                                                        const GradScaler& scaler);
+MIXPREC_API torch::serialize::InputArchive& operator>>(torch::serialize::InputArchive& archive, GradScaler& scaler);
 
 // ---- autocast -------------------------------------------------------------------------------------
 // RAII autocast region, the C++ form of `with torch.autocast(device_type, dtype, enabled,
 // cache_enabled)`: on entry sets the device type's autocast state, dtype and the weight-cast cache;
 // on exit (also by an exception) restores all three as they were and, leaving the outermost
 // region, clears the cast cache. Nested guards, enabled or disabled, compose as Python's do.
-class AutocastGuard {
+class MIXPREC_API AutocastGuard {
  public:
   // dtype: float16 or bfloat16 (default: the device type's current autocast dtype); cache_enabled
   // default: the current setting.
@@ -160,7 +163,7 @@ struct AmpOptions {
 };
 
 // What initialize() decided and did.
-struct AmpState {
+struct MIXPREC_API AmpState {
   OptLevel opt_level = OptLevel::O0;
   c10::ScalarType dtype = c10::kHalf;
   std::optional<c10::ScalarType> cast_model_type;  // the dtype the model was cast to (none at O1)
@@ -185,11 +188,12 @@ struct AmpState {
 // fp32 at O2, and for O2 turns on the master weights of the mixprec fused optimizer, seeded from
 // the fp32 values before the cast. O2 needs a mixprec::optim fused optimizer; with a plain
 // torch::optim optimizer it raises. The model's parameters must be fp32 on entry.
-AmpState initialize(torch::nn::Module& model, torch::optim::Optimizer& optimizer, const AmpOptions& options);
+MIXPREC_API AmpState initialize(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                const AmpOptions& options);
 // The same without an optimizer (inference, or an optimizer made afterwards: then turn on its
 // master weights yourself at O2, which creates masters from the cast params).
-AmpState initialize(torch::nn::Module& model, const AmpOptions& options);
+MIXPREC_API AmpState initialize(torch::nn::Module& model, const AmpOptions& options);
 
-const char* to_string(OptLevel level);
+MIXPREC_API const char* to_string(OptLevel level);
 
 }  // namespace mixprec::amp

@@ -13,13 +13,14 @@
 #include <tuple>
 #include <vector>
 
+#include <mixprec/export.h>
 #include <mixprec/optim_args.h>
 
 namespace mixprec {
 namespace detail {
 // Defined in libmixprec. Referencing it keeps the library linked even under --as-needed: its
 // static initializers are what register the ops with the dispatcher.
-const char* built_torch_version();
+MIXPREC_API const char* built_torch_version();
 inline const char* const kLinkedAgainstTorch = built_torch_version();
 }  // namespace detail
 // Sets found_inf to 1 if any grad holds inf/NaN; with inv_scale also multiplies the grads by it,

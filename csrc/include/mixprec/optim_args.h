@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "export.h"  // beside this header: the kernel tier includes it by path, without csrc/include
+
 // clang-format off
 #define MIXPREC_ADAM_ARGS(X)          \
   X(double, beta1, 0.9)               \
@@ -112,19 +114,19 @@
 
 namespace mixprec {
 
-struct AdamArgs {
+struct MIXPREC_API AdamArgs {
   MIXPREC_ADAM_ARGS(MIXPREC_ARGS_FIELD)
 };
-struct SgdArgs {
+struct MIXPREC_API SgdArgs {
   MIXPREC_SGD_ARGS(MIXPREC_ARGS_FIELD)
 };
-struct LambArgs {
+struct MIXPREC_API LambArgs {
   MIXPREC_LAMB_ARGS(MIXPREC_ARGS_FIELD)
 };
-struct AdagradArgs {
+struct MIXPREC_API AdagradArgs {
   MIXPREC_ADAGRAD_ARGS(MIXPREC_ARGS_FIELD)
 };
-struct NovoGradArgs {
+struct MIXPREC_API NovoGradArgs {
   MIXPREC_NOVOGRAD_ARGS(MIXPREC_ARGS_FIELD)
 };
 

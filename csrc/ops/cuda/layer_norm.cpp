@@ -23,10 +23,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward_cuda(const at
                                                                         const std::optional<at::Tensor>& weight,
                                                                         std::array<bool, 3> output_mask) {
   // The backward keeps two fp32 rows per warp in shared memory (kernels/layer_norm.h).
-  TORCH_CHECK_VALUE(!input.defined() || input.dim() != 2 || input.size(1) <= kernels::kLayerNormMaxCudaCols,
-                    arg_name("layer_norm_backward", "input"), " has shape ", shape(input.sizes()),
-                    "; on CUDA the normalized size must be at most ", num(kernels::kLayerNormMaxCudaCols),
-                    " (mixprec.layer_norm uses torch's LayerNorm beyond it)");
+  MIXPREC_CHECK_VALUE(!input.defined() || input.dim() != 2 || input.size(1) <= kernels::kLayerNormMaxCudaCols,
+                      arg_name("layer_norm_backward", "input"), " has shape ", shape(input.sizes()),
+                      "; on CUDA the normalized size must be at most ", num(kernels::kLayerNormMaxCudaCols),
+                      " (mixprec.layer_norm uses torch's LayerNorm beyond it)");
   return layer_norm_backward_impl(grad_out, input, mean, rstd, weight, output_mask, kRunners);
 }
 

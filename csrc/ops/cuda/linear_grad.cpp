@@ -25,8 +25,8 @@ constexpr const char* kOp = "linear_weight_bias_grad";
 constexpr int64_t kWorkspaceBytes = 32 << 20;
 
 void check_lt(cublasStatus_t status, const char* call) {
-  TORCH_CHECK(status == CUBLAS_STATUS_SUCCESS, "mixprec::", kOp, ": ", call, " failed with cuBLAS status ",
-              num(static_cast<int64_t>(status)));
+  MIXPREC_CHECK(status == CUBLAS_STATUS_SUCCESS, "mixprec::", kOp, ": ", call, " failed with cuBLAS status ",
+                num(static_cast<int64_t>(status)));
 }
 
 // Owners of cuBLASLt's descriptors, destroyed on every exit path.

@@ -23,10 +23,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
                                                           const std::optional<at::Tensor>& weight,
                                                           std::array<bool, 2> output_mask) {
   // The backward keeps one fp32 row per warp in shared memory (kernels/rms_norm.h).
-  TORCH_CHECK_VALUE(c10::multiply_integers(normalized_shape) <= kernels::kRmsNormMaxCudaCols,
-                    arg_name("rms_norm_backward", "normalized_shape"), " ", shape(normalized_shape),
-                    "; on CUDA the normalized size must be at most ", num(kernels::kRmsNormMaxCudaCols),
-                    " (mixprec.rms_norm uses torch's RMSNorm beyond it)");
+  MIXPREC_CHECK_VALUE(c10::multiply_integers(normalized_shape) <= kernels::kRmsNormMaxCudaCols,
+                      arg_name("rms_norm_backward", "normalized_shape"), " ", shape(normalized_shape),
+                      "; on CUDA the normalized size must be at most ", num(kernels::kRmsNormMaxCudaCols),
+                      " (mixprec.rms_norm uses torch's RMSNorm beyond it)");
   return rms_norm_backward_impl(grad_out, input, normalized_shape, rstd, weight, output_mask, kRunners);
 }
 

@@ -11,8 +11,8 @@ namespace {
 void non_finite_check_and_unscale_meta(at::TensorList grads, const std::optional<at::Tensor>&,
                                        const std::optional<at::Tensor>&, at::TensorList out,
                                        const std::optional<at::Tensor>&) {
-  TORCH_CHECK_VALUE(out.empty() || out.size() == grads.size(), arg_name("non_finite_check_and_unscale_", "out"),
-                    " has ", num(out.size()), " tensors but grads has ", num(grads.size()));
+  MIXPREC_CHECK_VALUE(out.empty() || out.size() == grads.size(), arg_name("non_finite_check_and_unscale_", "out"),
+                      " has ", num(out.size()), " tensors but grads has ", num(grads.size()));
 }
 
 void update_scale_meta(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,

@@ -15,7 +15,7 @@ namespace mixprec::optim {
 // Apex's FusedAdagrad defaults (adagrad_w_mode: decoupled decay, w -= lr * (g / (sqrt(sum) + eps)
 // + weight_decay * w)) plus torch::optim::AdagradOptions' lr_decay and initial_accumulator_value,
 // and maximize.
-struct FusedAdagradOptions : public FusedOptionsFor<FusedAdagradOptions, AdagradArgs> {
+struct MIXPREC_API FusedAdagradOptions : public FusedOptionsFor<FusedAdagradOptions, AdagradArgs> {
   FusedAdagradOptions(double lr = 1e-2) { this->lr(lr); }  // NOLINT
   MIXPREC_FUSED_OPTIONS_FIELDS(FusedAdagradOptions, MIXPREC_ADAGRAD_ARGS, MIXPREC_FUSED_ADAGRAD_OWN_OPTIONS)
   void check(const std::string& where) const override;
@@ -26,7 +26,7 @@ extern template class FusedOptionsFor<FusedAdagradOptions, AdagradArgs>;
 #define MIXPREC_FUSED_ADAGRAD_STATE(X) X(sum)
 MIXPREC_FUSED_PARAM_STATE(FusedAdagradParamState, MIXPREC_FUSED_ADAGRAD_STATE);
 
-class FusedAdagrad : public FusedOptimizerOf<FusedAdagradOptions, FusedAdagradParamState> {
+class MIXPREC_API FusedAdagrad : public FusedOptimizerOf<FusedAdagradOptions, FusedAdagradParamState> {
   MIXPREC_FUSED_OPTIMIZER_CLASS(FusedAdagrad, FusedAdagradOptions, = {})
   MIXPREC_FUSED_OPTIMIZER_STEP()
 };

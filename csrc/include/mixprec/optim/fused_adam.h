@@ -18,7 +18,7 @@ namespace mixprec::optim {
 // Apex's and the Python front's defaults: adam_w_mode=true (AdamW's decoupled decay; false: L2
 // added to the gradient, Adam), weight_decay 0. master_weights: fp32 masters of fp16/bf16 params,
 // updated with the model copy in the same pass.
-struct FusedAdamOptions : public FusedOptionsFor<FusedAdamOptions, AdamArgs> {
+struct MIXPREC_API FusedAdamOptions : public FusedOptionsFor<FusedAdamOptions, AdamArgs> {
   FusedAdamOptions(double lr = 1e-3) { this->lr(lr); }  // NOLINT: implicit like torch::optim::AdamOptions
   MIXPREC_FUSED_OPTIONS_FIELDS(FusedAdamOptions, MIXPREC_ADAM_ARGS, MIXPREC_FUSED_ADAM_OWN_OPTIONS)
   void check(const std::string& where) const override;
@@ -26,7 +26,7 @@ struct FusedAdamOptions : public FusedOptionsFor<FusedAdamOptions, AdamArgs> {
 extern template class FusedOptionsFor<FusedAdamOptions, AdamArgs>;
 
 // torch::optim::AdamWOptions' defaults (weight_decay 1e-2) for FusedAdamW.
-struct FusedAdamWOptions : public FusedAdamOptions {
+struct MIXPREC_API FusedAdamWOptions : public FusedAdamOptions {
   FusedAdamWOptions(double lr = 1e-3);  // NOLINT
 };
 
@@ -34,7 +34,7 @@ struct FusedAdamWOptions : public FusedAdamOptions {
 #define MIXPREC_FUSED_ADAM_STATE(X) X(exp_avg) X(exp_avg_sq) X(max_exp_avg_sq)
 MIXPREC_FUSED_PARAM_STATE(FusedAdamParamState, MIXPREC_FUSED_ADAM_STATE);
 
-class FusedAdam : public FusedOptimizerOf<FusedAdamOptions, FusedAdamParamState> {
+class MIXPREC_API FusedAdam : public FusedOptimizerOf<FusedAdamOptions, FusedAdamParamState> {
   MIXPREC_FUSED_OPTIMIZER_CLASS(FusedAdam, FusedAdamOptions, = {})
   MIXPREC_FUSED_OPTIMIZER_STEP()
 
@@ -50,7 +50,7 @@ class FusedAdam : public FusedOptimizerOf<FusedAdamOptions, FusedAdamParamState>
 
 // AdamW: FusedAdam with decoupled weight decay, defaulting to torch::optim::AdamW's 1e-2. A
 // drop-in for torch::optim::AdamW (same update; fp32 results agree to rounding).
-class FusedAdamW : public FusedAdam {
+class MIXPREC_API FusedAdamW : public FusedAdam {
   MIXPREC_FUSED_OPTIMIZER_CLASS(FusedAdamW, FusedAdamOptions, = FusedAdamWOptions())
 
  protected:

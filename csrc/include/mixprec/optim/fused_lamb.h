@@ -17,7 +17,7 @@ namespace mixprec::optim {
   X(bool, master_remainder, false)
 
 // Apex's FusedLAMB defaults. max_grad_norm 0 (or inf) turns clipping off.
-struct FusedLAMBOptions : public FusedOptionsFor<FusedLAMBOptions, LambArgs> {
+struct MIXPREC_API FusedLAMBOptions : public FusedOptionsFor<FusedLAMBOptions, LambArgs> {
   FusedLAMBOptions(double lr = 1e-3) { this->lr(lr); }  // NOLINT
   MIXPREC_FUSED_OPTIONS_FIELDS(FusedLAMBOptions, MIXPREC_LAMB_ARGS, MIXPREC_FUSED_LAMB_OWN_OPTIONS)
   void check(const std::string& where) const override;
@@ -30,7 +30,7 @@ MIXPREC_FUSED_PARAM_STATE(FusedLAMBParamState, MIXPREC_FUSED_LAMB_STATE);
 
 // Each step first takes the unscaled L2 norm of every gradient of every group together (on the
 // device), then per group the Adam moments and the trust-ratio update (see fused_lamb.py).
-class FusedLAMB : public FusedOptimizerOf<FusedLAMBOptions, FusedLAMBParamState> {
+class MIXPREC_API FusedLAMB : public FusedOptimizerOf<FusedLAMBOptions, FusedLAMBParamState> {
   MIXPREC_FUSED_OPTIMIZER_CLASS(FusedLAMB, FusedLAMBOptions, = {})
   MIXPREC_FUSED_OPTIMIZER_STEP()
 

@@ -16,7 +16,7 @@ namespace mixprec::optim {
   X(bool, master_remainder, false)
 
 // Apex's FusedNovoGrad defaults. norm_type 2, or 0 / infinity for the infinity norm.
-struct FusedNovoGradOptions : public FusedOptionsFor<FusedNovoGradOptions, NovoGradArgs> {
+struct MIXPREC_API FusedNovoGradOptions : public FusedOptionsFor<FusedNovoGradOptions, NovoGradArgs> {
   FusedNovoGradOptions(double lr = 1e-3) { this->lr(lr); }  // NOLINT
   MIXPREC_FUSED_OPTIONS_FIELDS(FusedNovoGradOptions, MIXPREC_NOVOGRAD_ARGS, MIXPREC_FUSED_NOVOGRAD_OWN_OPTIONS)
   void check(const std::string& where) const override;
@@ -30,7 +30,7 @@ MIXPREC_FUSED_PARAM_STATE(FusedNovoGradParamState, MIXPREC_FUSED_NOVOGRAD_STATE)
 
 // Each group's per-tensor second moments live in one float32 vector, the group tensor
 // "exp_avg_sq" (one entry per param of the group), as in the Python front.
-class FusedNovoGrad : public FusedOptimizerOf<FusedNovoGradOptions, FusedNovoGradParamState> {
+class MIXPREC_API FusedNovoGrad : public FusedOptimizerOf<FusedNovoGradOptions, FusedNovoGradParamState> {
   MIXPREC_FUSED_OPTIMIZER_CLASS(FusedNovoGrad, FusedNovoGradOptions, = {})
   MIXPREC_FUSED_OPTIMIZER_STEP()
 

@@ -16,13 +16,14 @@
 #include <utility>
 #include <vector>
 
+#include <mixprec/export.h>
 #include <mixprec/ops.h>
 
 namespace mixprec::optim {
 
 // Per-parameter state of a fused optimizer: the fp32 master (with master weights, for non-fp32
 // params) and the family's tensors. slots() lists them under the Python front's state_dict keys.
-class FusedParamState : public torch::optim::OptimizerParamState {
+class MIXPREC_API FusedParamState : public torch::optim::OptimizerParamState {
  public:
   TORCH_ARG(at::Tensor, master_param);
 
@@ -38,7 +39,7 @@ class FusedParamState : public torch::optim::OptimizerParamState {
   void serialize(torch::serialize::InputArchive& archive) override;
 };
 
-template <class Derived> class FusedCloneableParamState : public FusedParamState {
+template <class Derived> class MIXPREC_API FusedCloneableParamState : public FusedParamState {
  public:
   std::unique_ptr<torch::optim::OptimizerParamState> clone() const override {
     return std::make_unique<Derived>(static_cast<const Derived&>(*this));
@@ -50,7 +51,7 @@ template <class Derived> class FusedCloneableParamState : public FusedParamState
 #define MIXPREC_STATE_TENSOR(key) TORCH_ARG(at::Tensor, key);
 #define MIXPREC_STATE_SLOT(key) {#key, &key##_},
 #define MIXPREC_FUSED_PARAM_STATE(Name, TENSORS)                                                                    \
-  struct Name : public FusedCloneableParamState<Name> {                                                             \
+  struct MIXPREC_API Name : public FusedCloneableParamState<Name> {                                                 \
     TENSORS(MIXPREC_STATE_TENSOR)                                                                                   \
                                                                                                                     \
    public:                                                                                                          \
@@ -60,7 +61,7 @@ template <class Derived> class FusedCloneableParamState : public FusedParamState
 // What the base needs from every family's options class (FusedAdamOptions, ...): the learning
 // rate (get_lr/set_lr, so torch::optim's LR schedulers work), master weights, validation and
 // serialization. Options are per param group, as in torch::optim.
-class FusedOptions : public torch::optim::OptimizerOptions {
+class MIXPREC_API FusedOptions : public torch::optim::OptimizerOptions {
  public:
   virtual bool uses_master_weights() const = 0;
   virtual void set_master_weights(bool on) = 0;
@@ -84,7 +85,7 @@ struct GradScaling {
   std::optional<at::Tensor> found_inf;   // non-zero: the step changes nothing, on the device
 };
 
-class FusedOptimizer : public torch::optim::Optimizer {
+class MIXPREC_API FusedOptimizer : public torch::optim::Optimizer {
  public:
   // Runs `closure` (with grad enabled) if given, then one fused op per param group over the
   // params that have a gradient. Nothing here waits on the device. Every group's options, params
@@ -230,7 +231,7 @@ class FusedOptimizer : public torch::optim::Optimizer {
 
 // What a family's optimizer class shares with every other: its options and state classes, and
 // the lists of state tensors its op takes.
-template <class Options, class State> class FusedOptimizerOf : public FusedOptimizer {
+template <class Options, class State> class MIXPREC_API FusedOptimizerOf : public FusedOptimizer {
  protected:
   using FusedOptimizer::FusedOptimizer;
 

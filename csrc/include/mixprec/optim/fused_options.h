@@ -51,7 +51,8 @@ template <class Derived> class BetasAccessor<Derived, true> {
 // its fields with MIXPREC_FUSED_OPTIONS_FIELDS and has lr and master_weights among them. Defined
 // in the library (csrc/api/fused_options_impl.h), instantiated once per family.
 template <class Derived, class Args>
-class FusedOptionsFor : public FusedOptions, public internal::BetasAccessor<Derived, internal::has_betas<Args>::value> {
+class MIXPREC_API FusedOptionsFor : public FusedOptions,
+                                    public internal::BetasAccessor<Derived, internal::has_betas<Args>::value> {
  public:
   using args_type = Args;
 

@@ -13,7 +13,7 @@ namespace mixprec::optim {
 
 // torch::optim::SGDOptions' fields plus Apex's wd_after_momentum (decay added to the
 // momentum-filtered direction instead of to the gradient); lr has no default, as in torch.
-struct FusedSGDOptions : public FusedOptionsFor<FusedSGDOptions, SgdArgs> {
+struct MIXPREC_API FusedSGDOptions : public FusedOptionsFor<FusedSGDOptions, SgdArgs> {
   FusedSGDOptions(double lr) { this->lr(lr); }  // NOLINT: implicit like torch::optim::SGDOptions
   MIXPREC_FUSED_OPTIONS_FIELDS(FusedSGDOptions, MIXPREC_SGD_ARGS, MIXPREC_FUSED_SGD_OWN_OPTIONS)
   static constexpr bool lr_has_default = false;
@@ -26,7 +26,7 @@ extern template class FusedOptionsFor<FusedSGDOptions, SgdArgs>;
 MIXPREC_FUSED_PARAM_STATE(FusedSGDParamState, MIXPREC_FUSED_SGD_STATE);
 
 // torch::optim::SGD's numerics (a new momentum buffer starts as the gradient itself).
-class FusedSGD : public FusedOptimizerOf<FusedSGDOptions, FusedSGDParamState> {
+class MIXPREC_API FusedSGD : public FusedOptimizerOf<FusedSGDOptions, FusedSGDParamState> {
   MIXPREC_FUSED_OPTIMIZER_CLASS(FusedSGD, FusedSGDOptions, )
   MIXPREC_FUSED_OPTIMIZER_STEP()
 };
