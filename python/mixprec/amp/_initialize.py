@@ -41,10 +41,13 @@ def _resolve_dtype(dtype: Optional[torch.dtype], cast_model_type: Any) -> torch.
 
 def _check_flags(**flags: Any) -> None:
     # Apex tested these for truth, so enabled="False" or master_weights="False" (a config file, an
-    # argparse string) silently meant True; only bools, 0/1 and None (the opt level's value) pass.
+    # argparse string) silently meant True; only bools, 0/1 and None (the opt level's value) pass
+    # (and master_weights="remainder", the lean form, which the caller checks on its own).
     for name, v in flags.items():
         if not (v is None or isinstance(v, bool) or (isinstance(v, numbers.Integral) and v in (0, 1))):
             default = "" if name == "enabled" else " (or None: the opt level's choice)"
+            if name == "master_weights":
+                default += " or 'remainder'"
             raise TypeError(f"amp.initialize: {name} must be True or False{default}, got {v!r}")
 
 
@@ -108,7 +111,8 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     if isinstance(verbosity, bool) or not isinstance(verbosity, numbers.Integral) or verbosity < 0:
         raise ValueError(f"amp.initialize: verbosity must be an int >= 0 (0 silent, 1 default, 2 verbose), "
                          f"got {verbosity!r}")
-    _check_flags(enabled=enabled, patch_torch_functions=patch_torch_functions, master_weights=master_weights)
+    _check_flags(enabled=enabled, patch_torch_functions=patch_torch_functions,
+                 master_weights=None if master_weights == "remainder" else master_weights)
     if not enabled:
         # Apex: a disabled amp is an initialized amp whose scale_loss and steps do nothing extra.
         _amp_state.reset(Properties(), int(verbosity), process_group)
