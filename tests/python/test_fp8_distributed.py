@@ -4,6 +4,7 @@
 # (NCCL) the reduction never syncs the host.
 from __future__ import annotations
 
+import copy
 import math
 import os
 
@@ -84,6 +85,9 @@ def _rank(rank, world, device, scaling, seed):
     calls = _count_collectives(fp8_dist.dist)
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     history = _train(model, runner, _batches(seed, world), rows, lr=0.05 * world)
+    # A model whose recipe names a group deep-copies (the recipe is shared: groups do not copy).
+    named = _model(seed, fp8.Fp8Recipe(scaling=scaling, process_group=torch.distributed.group.WORLD))
+    assert copy.deepcopy(named)[0].fp8_state.recipe is named[0].fp8_state.recipe
     return {"history": history, "calls": calls}
 
 

@@ -62,6 +62,10 @@ class Fp8Recipe:
             raise TypeError(f"mixprec.fp8.Fp8Recipe: process_group must be None or a torch.distributed.ProcessGroup, "
                             f"got {type(g).__name__}")
 
+    def __deepcopy__(self, memo) -> "Fp8Recipe":
+        # Immutable, and a process group cannot be copied: a copied model shares its recipe.
+        return self
+
     @classmethod
     def e4m3(cls, **kwargs) -> "Fp8Recipe":
         """E4M3 for the gradients too (more precision, 448 of range: scaling does the rest)."""
