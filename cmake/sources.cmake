@@ -74,6 +74,8 @@ set(MIXPREC_OP_SOURCES
   csrc/ops/meta/norm.cpp
   csrc/ops/meta/rms_norm.cpp
   csrc/api/autocast.cpp
+  csrc/api/fp8_linear.cpp
+  csrc/api/fp8_state.cpp
   csrc/api/fused_adagrad.cpp
   csrc/api/fused_adam.cpp
   csrc/api/fused_lamb.cpp

@@ -66,6 +66,12 @@ AmpState resolve(const AmpOptions& o) {
   if (o.dynamic_loss_scale()) s.dynamic_loss_scale = *o.dynamic_loss_scale();
   MIXPREC_CHECK_VALUE(!s.master_weights || (s.cast_model_type && is_low(*s.cast_model_type)), kName,
                       ": master weights need a model cast to float16 or bfloat16 (O2, or O3 with master_weights)");
+  if (o.fp8()) {
+    MIXPREC_CHECK_VALUE(s.cast_model_type && is_low(*s.cast_model_type), kName,
+                        ": fp8 needs a model cast to float16 or bfloat16 (opt_level O2 or O3); opt_level ",
+                        to_string(s.opt_level), " does not cast it");
+    o.fp8()->check(kName);
+  }
   return s;
 }
 
@@ -131,7 +137,9 @@ AmpState initialize_impl(torch::nn::Module& model, torch::optim::Optimizer* opti
       }
     }
   }
-  return s;
+  AmpState out = s;
+  if (options.fp8()) out.fp8 = fp8::convert(model, *options.fp8());  // the same parameter tensors: masters hold
+  return out;
 }
 }  // namespace
 

@@ -11,6 +11,8 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <mixprec/fp8.h>
+
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -160,6 +162,10 @@ struct AmpOptions {
   TORCH_ARG(std::optional<bool>, dynamic_loss_scale) = std::nullopt;
   // Modules (by qualified name) also kept in fp32 when the model is cast, besides BatchNorm.
   TORCH_ARG(std::function<bool(const std::string&, const torch::nn::Module&)>, keep_fp32) = nullptr;
+  // FP8 (O2/O3 only): after the cast, every eligible torch::nn::Linear in a Sequential becomes an
+  // fp8::Linear with this recipe (fp8::convert; docs/cpp.md). Pass dtype kBFloat16, as python's
+  // fp8=True defaults to.
+  TORCH_ARG(std::optional<fp8::Recipe>, fp8) = std::nullopt;
 };
 
 // What initialize() decided and did.
@@ -171,6 +177,7 @@ struct MIXPREC_API AmpState {
   bool keep_batchnorm_fp32 = false;
   bool master_weights = false;
   bool dynamic_loss_scale = false;
+  fp8::ConvertResult fp8;  // with options.fp8: the Linears converted and those left (and why)
 
   // The GradScaler options for this level: enabled iff the loss scale is dynamic.
   GradScalerOptions scaler_options() const;

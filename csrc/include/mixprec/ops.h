@@ -284,4 +284,37 @@ inline void novograd_(at::TensorList params, at::TensorList grads, at::TensorLis
   detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sq_norms, master_params}, a, s, {grad_norms});
 }
 
+// ---- FP8 casts and scales (kernels/fp8.*) --------------------------------------------------------
+// x (contiguous fp32/fp16/bf16) * scale (float32 scalar), saturated to dtype's +-max
+// (kFloat8_e4m3fn 448, kFloat8_e5m2 57344; NaN stays NaN) and rounded to nearest even: (out,
+// out_t), out_t = out.t() contiguous when transpose (x 2-D), else undefined. amax, when given,
+// becomes max(amax, max |x|) on the device in the same read.
+inline std::tuple<at::Tensor, at::Tensor> fp8_quantize(const at::Tensor& x, const at::Tensor& scale,
+                                                       c10::ScalarType dtype, bool transpose = false,
+                                                       const std::optional<at::Tensor>& amax = std::nullopt) {
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, c10::ScalarType, bool,
+                                                 const std::optional<at::Tensor>&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::fp8_quantize", "").typed<Sig>();
+  auto out = op.call(x, scale, dtype, transpose, amax);
+  if (!transpose) std::get<1>(out) = at::Tensor();
+  return out;
+}
+
+// amax = max(amax, max |x|) on the device: current scaling's measure before the scale exists.
+inline void fp8_amax_(const at::Tensor& x, const at::Tensor& amax) {
+  using Sig = void(const at::Tensor&, const at::Tensor&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::fp8_amax_", "").typed<Sig>();
+  op.call(x, amax);
+}
+
+// amax is pushed into amax_history (newest first) and reset to 0; the history is reduced ("max"
+// or "most_recent") and scale = fp8_max(dtype) / (reduced * 2^margin), unless the reduced amax is
+// 0, inf or NaN (the scale is kept). On the device, no host sync.
+inline void fp8_update_scale_(const at::Tensor& scale, const at::Tensor& amax_history, const at::Tensor& amax,
+                              c10::ScalarType dtype, double margin = 0.0, c10::string_view reduction = "max") {
+  using Sig = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::ScalarType, double, c10::string_view);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::fp8_update_scale_", "").typed<Sig>();
+  op.call(scale, amax_history, amax, dtype, margin, reduction);
+}
+
 }  // namespace mixprec

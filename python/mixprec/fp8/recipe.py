@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -27,6 +28,9 @@ class Fp8Recipe:
     - ``amax_history_len`` and ``amax_reduction`` (``"max"`` or ``"most_recent"``): delayed
       scaling's window; current scaling keeps only the last amax.
     - ``margin``: scales are divided by ``2**margin`` (headroom for delayed scaling).
+    - ``process_group``: the ranks whose amaxes are all-reduced with MAX before they become
+      scales, so that every rank casts with the same scales. None (default): the default group
+      when torch.distributed is initialized with more than one rank, else no reduction.
     """
 
     forward_dtype: torch.dtype = torch.float8_e4m3fn
@@ -35,6 +39,7 @@ class Fp8Recipe:
     amax_history_len: int = 16
     amax_reduction: str = "max"
     margin: float = 0.0
+    process_group: Optional[Any] = None
 
     def __post_init__(self) -> None:
         for name in ("forward_dtype", "backward_dtype"):
@@ -52,6 +57,14 @@ class Fp8Recipe:
         m = self.margin
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or not 0 <= m <= 64:
             raise ValueError(f"mixprec.fp8.Fp8Recipe: margin must be a number in [0, 64], got {m!r}")
+        g = self.process_group
+        if g is not None and not isinstance(g, torch.distributed.ProcessGroup):
+            raise TypeError(f"mixprec.fp8.Fp8Recipe: process_group must be None or a torch.distributed.ProcessGroup, "
+                            f"got {type(g).__name__}")
+
+    def __deepcopy__(self, memo) -> "Fp8Recipe":
+        # Immutable, and a process group cannot be copied: a copied model shares its recipe.
+        return self
 
     @classmethod
     def e4m3(cls, **kwargs) -> "Fp8Recipe":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import _ops
+from . import distributed
 from .recipe import FP8_MAX, Fp8Recipe
 
 #: The cast tensors of a Linear, in the order of the state's rows.
@@ -38,17 +39,28 @@ class Fp8ScalingState(torch.nn.Module):
     def quantize(self, x: torch.Tensor, role: int, transpose: bool):
         """``x`` (2-D, contiguous) cast to its role's FP8 dtype, with its transpose when asked;
         returns ``(x_fp8, x_fp8_t or None, inverse scale)``. Current scaling measures x first;
-        delayed scaling uses the history and records x's amax during the cast."""
+        delayed scaling uses the history and records x's amax during the cast. Under a process
+        group (:func:`distributed.group_of`) the amaxes are the max over its ranks: current scaling
+        reduces each one before its cast (it exists only then), delayed scaling reduces all
+        pending ones of a direction in one collective before the first of them is used."""
         scale, amax, history = self._row(role)
         dtype = self.dtype_of(role)
         r = self.recipe
+        group = distributed.group_of(r)
         if r.scaling == "current":
             _ops.fp8_amax_(x, amax)
+            if group is not None:
+                distributed.all_reduce_max_(amax, group)
             _ops.fp8_update_scale_(scale, history, amax, dtype, r.margin, "most_recent")
             out, out_t = _ops.fp8_quantize(x, scale, dtype, transpose=transpose)
         else:
+            reducer = distributed.delayed_reducer(group) if group is not None else None
+            if reducer is not None:
+                reducer.before_update(self, role)
             _ops.fp8_update_scale_(scale, history, amax, dtype, r.margin, r.amax_reduction)
             out, out_t = _ops.fp8_quantize(x, scale, dtype, transpose=transpose, amax=amax)
+            if reducer is not None:
+                reducer.after_cast(self, role)
         if self.track_saturation:
             # Clipped, not merely at the max: under current scaling the amax element lands exactly there.
             clipped = (x.float().abs() * scale > FP8_MAX[dtype]).sum().double()
