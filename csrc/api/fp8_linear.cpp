@@ -94,7 +94,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::T
   MIXPREC_CHECK_VALUE(input.defined() && weight.defined() && weight.dim() == 2,
                       "mixprec::fp8::linear: expected a defined "
                       "input and a 2-D weight, got weight of ",
-                      weight.defined() ? weight.dim() : -1, " dims");
+                      mixprec::detail::num(weight.defined() ? weight.dim() : int64_t{-1}), " dims");
   const int64_t k = weight.size(1), n = weight.size(0);
   const int64_t tokens = k && input.dim() ? input.numel() / k : 0;
   if (!is_float(input.scalar_type()) || !is_float(weight.scalar_type()) || input.dim() == 0 || input.size(-1) != k ||

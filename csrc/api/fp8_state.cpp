@@ -34,11 +34,12 @@ void Recipe::check(const char* where) const {
   MIXPREC_CHECK_VALUE(scaling() == Scaling::kCurrent || scaling() == Scaling::kDelayed, where,
                       ": recipe scaling must be Scaling::kCurrent or Scaling::kDelayed");
   MIXPREC_CHECK_VALUE(amax_history_len() >= 1 && amax_history_len() <= 65536, where,
-                      ": recipe amax_history_len must be in [1, 65536], got ", amax_history_len());
+                      ": recipe amax_history_len must be in [1, 65536], got ",
+                      mixprec::detail::num(amax_history_len()));
   MIXPREC_CHECK_VALUE(amax_reduction() == "max" || amax_reduction() == "most_recent", where,
                       ": recipe amax_reduction must be \"max\" or \"most_recent\", got \"", amax_reduction(), "\"");
   MIXPREC_CHECK_VALUE(std::isfinite(margin()) && margin() >= 0 && margin() <= 64, where,
-                      ": recipe margin must be a number in [0, 64], got ", margin());
+                      ": recipe margin must be a number in [0, 64], got ", mixprec::detail::num(margin()));
 }
 
 ScalingState::ScalingState(Recipe recipe, c10::Device device) : recipe_(std::move(recipe)) {
@@ -63,7 +64,7 @@ void ScalingState::to(c10::Device device) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ScalingState::quantize(const at::Tensor& x, int64_t role,
                                                                       bool transpose) {
   MIXPREC_CHECK_VALUE(role >= kInput && role <= kGradOutput,
-                      "mixprec::fp8::ScalingState::quantize: role must be 0, 1 or 2, got ", role);
+                      "mixprec::fp8::ScalingState::quantize: role must be 0, 1 or 2, got ", mixprec::detail::num(role));
   return detail::quantize_row(x, scale.narrow(0, role, 1), amax.narrow(0, role, 1), amax_history.select(0, role),
                               dtype_of(role), recipe_.scaling(), recipe_.margin(), recipe_.amax_reduction(), transpose);
 }
@@ -108,10 +109,10 @@ std::vector<at::Tensor> checked(const ScalingState& state, torch::serialize::Inp
     MIXPREC_CHECK_VALUE(archive.try_read(key, value, /*is_buffer=*/true), where, ": missing '", key, "'");
     const at::Tensor& mine = *mine_ptr;
     MIXPREC_CHECK_VALUE(value.defined() && value.is_floating_point() && value.sizes() == mine.sizes(), where, "['", key,
-                        "']: expected a float tensor of shape ", mine.sizes(), " (recipe scaling ",
-                        state.recipe().scaling() == Scaling::kDelayed ? "delayed" : "current", ", amax_history_len ",
-                        state.recipe().amax_history_len(), "), got ",
-                        value.defined() ? value.sizes() : c10::IntArrayRef{}, " ",
+                        "']: expected a float tensor of shape ", mixprec::detail::shape(mine.sizes()),
+                        " (recipe scaling ", state.recipe().scaling() == Scaling::kDelayed ? "delayed" : "current",
+                        ", amax_history_len ", mixprec::detail::num(state.recipe().amax_history_len()), "), got ",
+                        mixprec::detail::shape(value.defined() ? value.sizes() : c10::IntArrayRef{}), " ",
                         value.defined() ? value.scalar_type() : c10::kFloat);
     out.push_back(value);
   }
