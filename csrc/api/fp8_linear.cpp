@@ -155,13 +155,6 @@ void LinearImpl::reset_parameters() {
 
 at::Tensor LinearImpl::forward(const at::Tensor& input) { return fp8::linear(input, weight, bias, state); }
 
-void LinearImpl::pretty_print(std::ostream& stream) const {
-  stream << "mixprec::fp8::Linear(in_features=" << options.in_features() << ", out_features=" << options.out_features()
-         << ", bias=" << (bias.defined() ? "true" : "false") << ", fp8=" << state.recipe().forward_dtype() << "/"
-         << state.recipe().backward_dtype()
-         << ", scaling=" << (state.recipe().scaling() == Scaling::kDelayed ? "delayed" : "current") << ")";
-}
-
 ConvertResult convert(torch::nn::Module& model, const Recipe& recipe) {
   recipe.check("mixprec::fp8::convert");
   ConvertResult result;

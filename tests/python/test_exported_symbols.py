@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 PUBLIC_HEADERS = sorted((REPO / "csrc" / "include" / "mixprec").rglob("*.h"))
 # Namespaces of the implementation: the kernel tier, the ops tier's helpers, the options classes'
 # internals and every anonymous namespace.
-INTERNAL = re.compile(r"mixprec::(?:kernels|detail|optim::internal)\b|\(anonymous namespace\)")
+INTERNAL = re.compile(r"mixprec::(?:fp8::)?(?:kernels|detail|optim::internal)\b|\(anonymous namespace\)")
 # ops.h's inline kLinkedAgainstTorch references it, so every C++ client links libmixprec (whose
 # static initializers register the ops) even under --as-needed: public, though in detail.
 PUBLIC_IN_DETAIL = {"mixprec::detail::built_torch_version()"}
@@ -51,6 +51,7 @@ def entity(symbol: str) -> str:
     """The mixprec name a symbol belongs to: 'mixprec::optim::FusedAdam' for its methods and
     vtable, 'mixprec::amp::initialize' for the function (template arguments and parameters cut)."""
     name = re.sub(r"^(?:vtable|typeinfo(?: name)?|VTT|construction vtable|guard variable) for ", "", symbol)
+    name = re.sub(r"\[abi:\w+\]", "", name)  # a std::string return's ABI tag: ineligibility[abi:cxx11]
     operator = re.match(r"([\w:]*\boperator\W+?)\(", name)  # operator<< is no template
     if operator:
         return operator.group(1)
@@ -77,8 +78,8 @@ def test_every_exported_mixprec_symbol_is_marked_public(exported):
         parts = entity(s).split("::")
         if parts[0] != "mixprec" or s in PUBLIC_IN_DETAIL:
             continue
-        # mixprec[::amp|::optim]::Name[::member]: Name must be a MIXPREC_API class or function.
-        name = next(p for p in parts[1:] if p not in {"amp", "optim"})
+        # mixprec[::amp|::optim|::fp8]::Name[::member]: Name must be a MIXPREC_API class or function.
+        name = next(p for p in parts[1:] if p not in {"amp", "optim", "fp8"})
         if name not in classes and name not in functions:
             unmarked.append(s)
     assert not unmarked, "exported but not MIXPREC_API in csrc/include:\n" + "\n".join(unmarked[:20])

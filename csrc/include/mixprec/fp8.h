@@ -18,7 +18,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <ostream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -85,9 +84,10 @@ class MIXPREC_API ScalingState {
 namespace detail {
 // ScalingState::quantize on one role's row (views of the state: updated in place), for the
 // backward, which keeps the row rather than the state.
-MIXPREC_API std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_row(
-    const at::Tensor& x, const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& history,
-    c10::ScalarType dtype, Scaling scaling, double margin, const std::string& reduction, bool transpose);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_row(const at::Tensor& x, const at::Tensor& scale,
+                                                            const at::Tensor& amax, const at::Tensor& history,
+                                                            c10::ScalarType dtype, Scaling scaling, double margin,
+                                                            const std::string& reduction, bool transpose);
 }  // namespace detail
 
 // (a * scale_a) @ (b * scale_b) (+ bias) for FP8 a (row-major) and b (column-major), fp32
@@ -122,7 +122,6 @@ class MIXPREC_API LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   void reset() override;
   void reset_parameters();  // as torch::nn::Linear: kaiming_uniform(a=sqrt(5)), bias U(+-1/sqrt(in))
   at::Tensor forward(const at::Tensor& input);
-  void pretty_print(std::ostream& stream) const override;
 
   torch::nn::LinearOptions options;
   at::Tensor weight, bias;
