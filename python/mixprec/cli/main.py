@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from .modes import BASELINE, all_modes, default_modes, parse_modes
-from .report import OOM, OK, add_relative_figures, memory_comparable, recommend, table, write_json
+from .report import OOM, OK, add_relative_figures, memory_comparable, recommend, state_lines, table, write_json
 from .runner import RunConfig, run_mode, warm_up
 from .task import TaskError, load_entry_point
 from .verdict import versus_torch
@@ -231,6 +231,11 @@ def compare(args: argparse.Namespace) -> int:
     _say("s/epoch: training only, after the first (warm-up) epoch when there are several.")
     _say("peak MB: the CUDA allocator's peak." if memory else
          "peak memory: not shown on a CPU, where it measures the allocator more than the mode.")
+    for line in state_lines(results):
+        _say(line)
+    for r in results:
+        if r.note:
+            _say(f"{r.mode}: {r.note}")
     _say(f"Every figure and curve: {json_path}")
     if rec.mode:
         _say(f"Recommended: {rec.mode}  ({rec.rule})")

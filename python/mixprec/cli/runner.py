@@ -15,11 +15,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import amp, diagnostics
+from ..optimizers import FusedOptimizer
 from ..amp._casts import applier
 from ..amp._scaler import _amp_state
 from .memory import MemoryMeter
 from .modes import TORCH_AMP, Mode
-from .report import DIVERGED, FAILED, OK, OOM, ModeResult
+from .report import DIVERGED, FAILED, OK, OOM, SKIPPED, ModeResult
 from .task import Task, TaskError, build_task
 from .torch_amp import NoTorchEquivalent, TorchAmpPrecision, optimizer_name
 
@@ -39,6 +40,57 @@ class RunConfig:
 
 class Diverged(Exception):
     pass
+
+
+class ModeSkipped(Exception):
+    """This mode cannot run here (this task's optimizer, this device); the message says why."""
+
+
+# Compute capability of the first GPUs with FP8 tensor cores (Ada, Hopper): torch._scaled_mm.
+FP8_MIN_CAPABILITY = (8, 9)
+FP8_EMULATED = ("emulated: on a CPU FP8 is fp32 matmuls on FP8-rounded operands, so its time and memory say "
+                "nothing about FP8 hardware (its accuracy does)")
+
+
+def _lean_options(mode: Mode, task: Task, device: torch.device, seed: int) -> dict:
+    """amp.initialize's extra arguments for a lean variant, after checking it can run; raises
+    ModeSkipped with the reason when this task's optimizer or this device cannot take it."""
+    if mode.variant == "fp8":
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+            cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
+            raise ModeSkipped(f"{torch.cuda.get_device_name(device)} (compute capability {cap}) has no FP8 tensor "
+                              f"cores; FP8 needs {'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer")
+        return {"fp8": True}
+    if not mode.variant:
+        return {}
+    if not isinstance(task.optimizer, FusedOptimizer):
+        option = "master_weights='remainder'" if mode.variant == "rem" else "rounding='stochastic'"
+        raise ModeSkipped(f"{option} is an option of mixprec's fused optimizers; this task's optimizer is "
+                          f"{type(task.optimizer).__name__}")
+    if mode.variant == "rem":
+        return {"master_weights": "remainder"}
+    for group in task.optimizer.param_groups:  # pure bf16 (O3 keeps no masters), rounded stochastically
+        group.update(rounding="stochastic", seed=seed)
+    return {}
+
+
+def state_bytes(optimizer: Any) -> tuple[Optional[float], Optional[float]]:
+    """(all optimizer state, master weights alone) in bytes per parameter, counted from the
+    tensors the optimizer keeps (element size x count: exact). The master is ``master_param``
+    (fp32) or ``master_remainder`` (int16). None when there are no parameters or no state."""
+    params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
+    n = sum(p.numel() for p in params)
+    state = getattr(optimizer, "state", {})
+    if not n or not any(p in state for p in params):
+        return None, None
+    total = master = 0
+    for p in params:
+        for key, value in state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                size = value.numel() * value.element_size()
+                total += size
+                master += size if key in ("master_param", "master_remainder") else 0
+    return total / n, master / n
 
 
 def is_oom(e: BaseException) -> bool:
@@ -168,14 +220,17 @@ class AmpPrecision:
     amp.scale_loss, and mixprec's diagnostics Monitor on the loss scale (it raises
     LossScaleStuckError when the scale is stuck at its floor)."""
 
-    def __init__(self, mode: Mode, task: Task, patience: int, max_events: int) -> None:
+    def __init__(self, mode: Mode, task: Task, device: torch.device, cfg: RunConfig, max_events: int) -> None:
         self.optimizer_name = optimizer_name(task.optimizer)
+        lean = _lean_options(mode, task, device, cfg.seed)
+        # The remainder is asked for with cast_model_type, as amp.initialize documents it.
+        dtype = {"cast_model_type": mode.dtype} if "master_weights" in lean else \
+            {"dtype": None if mode.opt_level == "O0" else mode.dtype}
         task.model, task.optimizer = amp.initialize(task.model, task.optimizer, opt_level=mode.opt_level,
-                                                    dtype=None if mode.opt_level == "O0" else mode.dtype,
-                                                    verbosity=0)
+                                                    verbosity=0, **dtype, **lean)
         self.optimizer = task.optimizer
         self.scaler = _amp_state.loss_scalers[0]
-        self.monitor = diagnostics.Monitor(task.model, patience=patience, max_events=max_events)
+        self.monitor = diagnostics.Monitor(task.model, patience=cfg.patience, max_events=max_events)
         self.watch_loss = self.monitor.watch_loss
         self.stuck: Optional[diagnostics.LossScaleStuckError] = None
         self.autocast = contextlib.nullcontext  # O1 puts the model's own forward under autocast
@@ -211,10 +266,11 @@ def make_precision(mode: Mode, task: Task, device: torch.device, cfg: RunConfig)
     """The object that trains ``task`` in ``mode``: autocast(), watch_loss(loss),
     backward_step(loss), check() (raises once the mode is stuck), loss_scale(), skipped, events,
     optimizer_name, close(). For a torch.amp mode whose task optimizer torch cannot express it
-    raises NoTorchEquivalent, which fails that mode alone."""
+    raises NoTorchEquivalent, which fails that mode alone; for a lean variant this task or device
+    cannot take, ModeSkipped."""
     if mode.opt_level == TORCH_AMP:
         return TorchAmpPrecision(mode, task, device, cfg.patience, MAX_EVENTS_KEPT)
-    return AmpPrecision(mode, task, cfg.patience, MAX_EVENTS_KEPT)
+    return AmpPrecision(mode, task, device, cfg, MAX_EVENTS_KEPT)
 
 
 def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cfg: RunConfig,
@@ -246,6 +302,8 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
                                 f"weights: {one_line(e)}") from e
         precision = make_precision(mode, task, device, cfg)
         r.optimizer = precision.optimizer_name
+        if mode.variant == "fp8" and device.type != "cuda":
+            r.emulated, r.note = True, FP8_EMULATED
         if cfg.debug_forward:
             debugger = diagnostics.ForwardDebugger(task.model)
         per_epoch = _steps_per_epoch(task.train_loader, cfg.steps_per_epoch)
@@ -320,6 +378,8 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
         raise
     except NoTorchEquivalent as e:  # this mode cannot run on this task; the others can
         r.status, r.error = FAILED, str(e)
+    except ModeSkipped as e:  # nothing went wrong: the mode does not apply to this task or device
+        r.status, r.error = SKIPPED, str(e)
     except Exception as e:  # an op without a kernel for this dtype, a user bug, ...: recorded, not fatal
         r.status, r.error = (OOM if is_oom(e) else FAILED), one_line(e)
     finally:
@@ -341,6 +401,7 @@ def _finish(r: ModeResult, meter: MemoryMeter, precision, debugger, epoch_sample
         r.nonfinite_params = sorted({p for e in precision.events for p in e.params})
         if r.steps:
             r.final_loss_scale = precision.loss_scale()
+            r.state_bytes_per_param, r.master_bytes_per_param = state_bytes(precision.optimizer)
         precision.close()
     if debugger is not None:
         if debugger.first is not None:
