@@ -62,7 +62,10 @@ def test_lean_and_fp8_modes_run_on_the_embedded_task(tmp_path, capsys):
     # FP8 ran, emulated, is marked so and is not recommended on its time.
     assert fp8["emulated"] and "emulated" in fp8["note"] and not any(by[n]["emulated"] for n in by if n != fp8["mode"])
     assert doc["recommendation"]["reasons"]["O2-bf16-fp8"].startswith("not a candidate: emulated")
+    # The embedded transformer's Linears (width 64, 2 layers) are all eligible but the 10-class head.
+    assert fp8["fp8_linears"] == 8 and fp8["fp8_fallbacks"] == 0 and o2["fp8_linears"] is None
     assert "O2-bf16-fp8: emulated" in out
+    assert "O2-bf16-fp8: 8 nn.Linear in FP8; 0 call(s) ran plain F.linear" in out
     assert "optimizer state after training, bytes per parameter (of it master weights):" in out
     assert f"  O2-bf16-rem: {rem['state_bytes_per_param']:.4g} (2)" in out
     with open(tmp_path / "curves.png", "rb") as f:
@@ -89,6 +92,13 @@ def test_modes_a_torch_optimizer_cannot_take_are_skipped_with_the_reason(tmp_pat
         assert by[name]["error"] == f"{option} is an option of mixprec's fused optimizers; this task's optimizer is SGD"
         assert doc["recommendation"]["reasons"][name] == "skipped: " + by[name]["error"]
     assert by["O0"]["status"] == OK and doc["recommendation"]["mode"] == "O0"
+
+
+def test_fp8_is_skipped_without_an_eligible_linear(tmp_path):
+    code, doc = compare(tmp_path, "--task", TASKS + ":tiny_task", "--modes", "O2-bf16-fp8", *TINY)
+    fp8 = doc["modes"][1]
+    assert code == 0 and fp8["status"] == SKIPPED and fp8["steps"] == 0 and fp8["fp8_linears"] is None
+    assert fp8["error"] == "no nn.Linear of the model is eligible for FP8 (in_features and out_features multiples of 16)"
 
 
 def test_fp8_is_skipped_on_a_gpu_without_fp8(monkeypatch):

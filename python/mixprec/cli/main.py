@@ -236,6 +236,9 @@ def compare(args: argparse.Namespace) -> int:
     for line in state_lines(results):
         _say(line)
     for r in results:
+        if r.fp8_linears:
+            _say(f"{r.mode}: {r.fp8_linears} nn.Linear in FP8; {r.fp8_fallbacks} call(s) ran plain F.linear "
+                 "(token count not a multiple of 16)")
         if r.note:
             _say(f"{r.mode}: {r.note}")
     _say(f"Every figure and curve: {json_path}")

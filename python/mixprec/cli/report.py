@@ -46,6 +46,8 @@ class ModeResult:
     optimizer: Optional[str] = None
     state_bytes_per_param: Optional[float] = None
     master_bytes_per_param: Optional[float] = None
+    fp8_linears: Optional[int] = None  # the FP8 mode's nn.Linears in FP8
+    fp8_fallbacks: Optional[int] = None  # their calls that ran plain F.linear (token count not a multiple of 16)
     emulated: bool = False
     note: Optional[str] = None
     train_loss: Optional[float] = None

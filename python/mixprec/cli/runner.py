@@ -15,6 +15,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import amp, diagnostics
+from ..fp8 import ALIGN as FP8_ALIGN
+from ..fp8 import Fp8Linear
 from ..optimizers import FusedOptimizer
 from ..amp._casts import applier
 from ..amp._scaler import _amp_state
@@ -228,6 +230,10 @@ class AmpPrecision:
             {"dtype": None if mode.opt_level == "O0" else mode.dtype}
         task.model, task.optimizer = amp.initialize(task.model, task.optimizer, opt_level=mode.opt_level,
                                                     verbosity=0, **dtype, **lean)
+        self.fp8_layers = [m for m in task.model.modules() if isinstance(m, Fp8Linear)]
+        if lean.get("fp8") and not self.fp8_layers:  # it would be O2-bf16 under another name
+            raise ModeSkipped(f"no nn.Linear of the model is eligible for FP8 (in_features and out_features "
+                              f"multiples of {FP8_ALIGN})")
         self.optimizer = task.optimizer
         self.scaler = _amp_state.loss_scalers[0]
         self.monitor = diagnostics.Monitor(task.model, patience=cfg.patience, max_events=max_events)
@@ -402,6 +408,9 @@ def _finish(r: ModeResult, meter: MemoryMeter, precision, debugger, epoch_sample
         if r.steps:
             r.final_loss_scale = precision.loss_scale()
             r.state_bytes_per_param, r.master_bytes_per_param = state_bytes(precision.optimizer)
+        layers = getattr(precision, "fp8_layers", None)
+        if layers:  # calls whose token count broke the tile rule ran plain F.linear: counted
+            r.fp8_linears, r.fp8_fallbacks = len(layers), sum(m.fp8_state.fallbacks for m in layers)
         precision.close()
     if debugger is not None:
         if debugger.first is not None:
