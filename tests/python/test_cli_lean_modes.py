@@ -11,7 +11,8 @@ from mixprec.cli import embedded
 from mixprec.cli.main import main
 from mixprec.cli.modes import all_modes, default_modes, parse_modes
 from mixprec.cli.report import OK, SKIPPED, ModeResult, recommend
-from mixprec.cli.runner import ModeSkipped, RunConfig, _lean_options, make_precision
+from mixprec.cli.lean import ModeSkipped, lean_options
+from mixprec.cli.runner import RunConfig, make_precision
 from amp_support import one_cpu_thread  # noqa: F401  (autouse fixture: tiny models, one thread)
 
 TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_tasks.py")
@@ -106,9 +107,9 @@ def test_fp8_is_skipped_on_a_gpu_without_fp8(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     with pytest.raises(ModeSkipped, match=r"^NVIDIA A100 \(compute capability 8\.0\) has no FP8 tensor cores; FP8 "
                                           r"needs 8\.9 or newer$"):
-        _lean_options(all_modes()["O2-bf16-fp8"], embedded.make_task(CPU), CUDA, 0)
+        lean_options(all_modes()["O2-bf16-fp8"], embedded.make_task(CPU), CUDA, 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert _lean_options(all_modes()["O2-bf16-fp8"], embedded.make_task(CPU), CUDA, 0) == {"fp8": True}
+    assert lean_options(all_modes()["O2-bf16-fp8"], embedded.make_task(CPU), CUDA, 0) == {"fp8": True}
 
 
 def test_emulated_and_skipped_modes_are_never_recommended():
