@@ -74,16 +74,23 @@ def test_every_mode_on_cuda(tmp_path):
                  "--epochs", "2", "--steps-per-epoch", "4", "--val-steps", "1", "--no-progress"]) == 0
     doc = report(tmp_path)
     assert doc["device"].startswith("cuda") and doc["default_modes"] == [m["mode"] for m in doc["modes"]]
+    fp8_hardware = torch.cuda.get_device_capability() >= (8, 9)
     for m in doc["modes"]:
+        if m["mode"] == "O2-bf16-fp8" and not fp8_hardware:  # skipped with the reason, nothing measured
+            assert m["status"] == "skipped" and "has no FP8 tensor cores" in m["error"], m
+            continue
         assert m["status"] == "ok", m
+        assert not m["emulated"]
         assert m["memory_kind"] == "cuda allocator peak" and m["peak_memory_mb"] > 0 and m["peak_rss_mb"] is None
         dynamic = m["dtype"] == "float16" and m["opt_level"] in ("O1", "O2", "torch.amp")
         if dynamic:  # 2^16, less a backoff per overflowing step (a first step may overflow)
             assert m["final_loss_scale"] == 2.0**16 / 2 ** m["skipped_steps"]
         else:
             assert m["final_loss_scale"] == 1.0 and m["skipped_steps"] == 0
+    by = {m["mode"]: m for m in doc["modes"]}
+    assert by["O2-bf16-rem"]["state_bytes_per_param"] == by["O2-bf16"]["state_bytes_per_param"] - 2
     assert doc["recommendation"]["mode"] is not None
-    assert {"torch-fp16", "torch-bf16"} <= set(doc["default_modes"])
+    assert {"torch-fp16", "torch-bf16", "O2-bf16-rem", "O3-bf16-sr", "O2-bf16-fp8"} <= set(doc["default_modes"])
     assert doc["modes"][-1]["optimizer"] == "torch.optim.AdamW(fused=True)"  # the embedded task's FusedAdam
     assert doc["recommendation"]["switch"] is not None and doc["recommendation"]["versus_torch"]
 

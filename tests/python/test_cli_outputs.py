@@ -91,7 +91,7 @@ def _hparams(run_dir: str) -> dict:
     content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
     figures = {t: acc.Scalars(t)[-1].value for t in acc.Tags()["scalars"] if t.startswith("hparam/")}
-    return {k: v.string_value for k, v in info.hparams.items()} | figures
+    return {k: getattr(v, v.WhichOneof("kind")) for k, v in info.hparams.items()} | figures
 
 
 def test_tensorboard_run_per_invocation_with_hparams(tmp_path):
@@ -114,6 +114,20 @@ def test_tensorboard_run_per_invocation_with_hparams(tmp_path):
     assert row["hparam/time_per_epoch_s"] == pytest.approx(m["time_per_epoch"])
     assert row["hparam/val_metric"] == pytest.approx(m["val_metric"])
     assert "hparam/peak_memory_mb" not in row  # CPU memory is noise, kept out of the comparison
+
+
+def test_tensorboard_hparams_of_the_lean_and_fp8_modes(tmp_path):
+    assert main(["compare", "--out", str(tmp_path), "--device", "cpu", "--modes", "O2-bf16-rem,O2-bf16-fp8",
+                 "--tensorboard", "--epochs", "1", "--steps-per-epoch", "1", "--val-steps", "1", "--no-progress",
+                 "--no-plot"]) == 0
+    with open(tmp_path / "report.json") as f:
+        doc = json.load(f)
+    for m in doc["modes"]:
+        row = _hparams(os.path.join(doc["tensorboard_run"], m["mode"]))
+        assert m["emulated"] is (m["mode"] == "O2-bf16-fp8") and row["emulated"] == ("yes" if m["emulated"] else "no")
+        assert row["hparam/state_bytes_per_param"] == m["state_bytes_per_param"] > 0
+        assert row["hparam/master_bytes_per_param"] == m["master_bytes_per_param"]
+    assert [m["master_bytes_per_param"] for m in doc["modes"]] == [0, 2, 4]  # O0, rem, fp8 (an fp32 master)
 
 
 def test_version(capsys):

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 
 from .modes import BASELINE, all_modes, default_modes, parse_modes
-from .report import OOM, OK, add_relative_figures, memory_comparable, recommend, table, write_json
+from .report import OOM, OK, add_relative_figures, memory_comparable, recommend, state_lines, table, write_json
 from .runner import RunConfig, run_mode, warm_up
 from .task import TaskError, load_entry_point
 from .verdict import versus_torch
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", prog=PROG,
                        help="train a model under every precision mode and recommend one",
                        description="Train the same model from the same initial weights under each precision "
-                                   "mode (O0 fp32, O1/O2/O3 in fp16 and bf16, and torch.amp in fp16 and bf16), "
+                                   "mode (O0 fp32, O1/O2/O3 in fp16 and bf16, the lean bf16 modes O2-bf16-rem, "
+                                   "O3-bf16-sr and O2-bf16-fp8, and torch.amp in fp16 and bf16), "
                                    "compare time, memory, losses and validation metric, recommend the fastest "
                                    "mode that keeps O0's accuracy, and say whether to switch from torch.amp.")
     p.add_argument("--task", default=EMBEDDED,
@@ -70,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="default",
                    help=f"comma-separated modes ({modes_help}; 'O2' means both dtypes, 'torch' both torch.amp "
                         "modes; 'all'). Default: 'default', every mode on a GPU and O0 plus the bf16 modes on a "
-                        "CPU. O0 always runs, first")
+                        "CPU, except O2-bf16-fp8 (on a CPU a slow emulation, marked 'emulated' when asked for). "
+                        "O0 always runs, first")
     p.add_argument("--epochs", type=_positive, default=3,
                    help="epochs per mode; the first is warm-up for timing (default: %(default)s)")
     p.add_argument("--steps-per-epoch", type=_positive, default=None,
@@ -231,6 +233,14 @@ def compare(args: argparse.Namespace) -> int:
     _say("s/epoch: training only, after the first (warm-up) epoch when there are several.")
     _say("peak MB: the CUDA allocator's peak." if memory else
          "peak memory: not shown on a CPU, where it measures the allocator more than the mode.")
+    for line in state_lines(results):
+        _say(line)
+    for r in results:
+        if r.fp8_linears:
+            _say(f"{r.mode}: {r.fp8_linears} nn.Linear in FP8; {r.fp8_fallbacks} call(s) ran plain F.linear "
+                 "(token count not a multiple of 16)")
+        if r.note:
+            _say(f"{r.mode}: {r.note}")
     _say(f"Every figure and curve: {json_path}")
     if rec.mode:
         _say(f"Recommended: {rec.mode}  ({rec.rule})")

@@ -1,5 +1,5 @@
-"""curves.png for `mixprec compare` (matplotlib, headless): time per epoch and peak memory per
-mode as bars on top; training loss, validation metric (with the tolerance band around O0) and,
+"""curves.png for `mixprec compare` (matplotlib, headless): time per epoch, peak memory and (when
+a lean mode ran) the optimizer's state bytes per parameter per mode as bars on top; training loss, validation metric (with the tolerance band around O0) and,
 when some mode scales its loss, the loss scale below."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 from typing import Optional
 
 from .modes import BASELINE, is_torch_amp
-from .report import OK, ModeResult, memory_comparable
+from .report import OK, ModeResult, memory_comparable, state_lines
 
 # Modes often train to nearly the same curve: colour alone would hide one under another, so
 # each mode also gets its own line style and marker.
@@ -71,7 +71,8 @@ def build_figure(results: list[ModeResult], metric_name: str, tolerance: float, 
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(results))]
     memory = memory_comparable(results)
     scaling = scales_loss(results)
-    n_top, n_bottom = 1 + memory, 2 + scaling
+    state = bool(state_lines(results))  # exact counts, so shown on a CPU too
+    n_top, n_bottom = 1 + memory + state, 2 + scaling
     fig = plt.figure(figsize=(5.5 * max(n_top, n_bottom), 9.5))
     grid = fig.add_gridspec(2, 6)  # 6 columns: one, two or three panels a row, evenly
 
@@ -85,6 +86,11 @@ def build_figure(results: list[ModeResult], metric_name: str, tolerance: float, 
         _bars(panel(0, 1, n_top), results, [r.peak_memory_mb for r in results], colors,
               "peak memory (lower is better)", "MiB", [f"{r.peak_memory_mb:.0f}" if _finite(r.peak_memory_mb)
                                                        else "" for r in results])
+    if state:
+        _bars(panel(0, 1 + memory, n_top), results, [r.state_bytes_per_param for r in results], colors,
+              "optimizer state per parameter (lower is better)", "bytes",
+              [f"{r.state_bytes_per_param:.3g} (master {r.master_bytes_per_param:.3g})"
+               if _finite(r.state_bytes_per_param) else "" for r in results])
     ax_loss, ax_val = panel(1, 0, n_bottom), panel(1, 1, n_bottom)
     ax_scale = panel(1, 2, n_bottom) if scaling else None
     def spread(n: int, i: int) -> tuple[int, int]:
@@ -94,7 +100,7 @@ def build_figure(results: list[ModeResult], metric_name: str, tolerance: float, 
         return (i % every, every)
 
     for i, r in enumerate(results):
-        label = r.mode if r.status == OK else f"{r.mode} ({r.status})"
+        label = (r.mode if r.status == OK else f"{r.mode} ({r.status})") + (" (emulated)" if r.emulated else "")
         style = dict(color=colors[i], linestyle=_LINES[i % len(_LINES)], marker=_MARKERS[i % len(_MARKERS)],
                      label=label, linewidth=1.2, markersize=4, alpha=0.9)
         xs, ys = _finite_points(r.loss_curve)

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from .memory import CPU_KIND
-from .modes import BASELINE
+from .modes import BASELINE, all_modes
 
 OK, DIVERGED, FAILED, OOM, NOT_RUN = "ok", "diverged", "failed", "out of memory", "not run"
+SKIPPED = "skipped"  # the mode does not apply to this task or device (``error`` says why)
 
 
 @dataclass
@@ -23,7 +24,10 @@ class ModeResult:
     mean over epochs after the first (warm-up) when there are several. ``peak_memory_mb``: the
     CUDA allocator's peak, or on a CPU the growth of the process's peak resident set over its
     size when the mode started (``memory_kind`` says which; ``memory_saving`` only on a GPU).
-    ``optimizer``: the optimizer class the mode stepped with."""
+    ``optimizer``: the optimizer class the mode stepped with. ``state_bytes_per_param``: the
+    optimizer's state tensors after training in bytes per parameter (exact), of which
+    ``master_bytes_per_param`` are master weights. ``emulated``: the mode ran an emulation
+    (FP8 on a CPU), ``note`` says what that means; it is not recommended."""
 
     mode: str
     opt_level: str
@@ -40,6 +44,12 @@ class ModeResult:
     peak_rss_mb: Optional[float] = None
     memory_kind: str = ""
     optimizer: Optional[str] = None
+    state_bytes_per_param: Optional[float] = None
+    master_bytes_per_param: Optional[float] = None
+    fp8_linears: Optional[int] = None  # the FP8 mode's nn.Linears in FP8
+    fp8_fallbacks: Optional[int] = None  # their calls that ran plain F.linear (token count not a multiple of 16)
+    emulated: bool = False
+    note: Optional[str] = None
     train_loss: Optional[float] = None
     train_metric: Optional[float] = None
     val_loss: Optional[float] = None
@@ -120,10 +130,14 @@ def recommend(results: list[ModeResult], tolerance: float = 0.02, max_skipped: f
             continue
         if r.status == OOM:
             reasons[r.mode] = f"out of memory: {r.error}"
+        elif r.status == SKIPPED:
+            reasons[r.mode] = f"skipped: {r.error}"
         elif r.status == FAILED or r.status == NOT_RUN:
             reasons[r.mode] = f"failed: {r.error}" if r.error else r.status
         elif r.status == DIVERGED:
             reasons[r.mode] = f"diverged: {r.error}" if r.error else "diverged"
+        elif r.emulated:
+            reasons[r.mode] = f"not a candidate: {r.note}"
         elif not _finite(r.val_metric) or not _finite(r.val_loss):
             reasons[r.mode] = "NaN: non-finite validation loss or metric"
         elif r.steps and r.skipped_steps / r.steps > max_skipped:
@@ -202,6 +216,20 @@ def table(results: list[ModeResult], metric_name: str) -> str:
              for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def state_lines(results: list[ModeResult]) -> list[str]:
+    """Below the table (which has no room for it), the optimizer's state per parameter of every
+    mode that measured it, when a lean mode ran: what the remainder and pure-bf16 modes save
+    beside O2-bf16, exact on a CPU as on a GPU (the peak-memory figures are not)."""
+    known = all_modes()
+    if not any(r.mode in known and known[r.mode].variant and r.state_bytes_per_param is not None for r in results):
+        return []
+    lines = ["optimizer state after training, bytes per parameter (of it master weights):"]
+    for r in results:
+        if r.state_bytes_per_param is not None:
+            lines.append(f"  {r.mode}: {r.state_bytes_per_param:.4g} ({_fmt(r.master_bytes_per_param, '.4g')})")
+    return lines
 
 
 def _clean(value: Any) -> Any:

@@ -15,11 +15,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import amp, diagnostics
+from ..fp8 import ALIGN as FP8_ALIGN
+from ..fp8 import Fp8Linear
 from ..amp._casts import applier
 from ..amp._scaler import _amp_state
+from .lean import FP8_EMULATED, ModeSkipped, lean_options, state_bytes
 from .memory import MemoryMeter
 from .modes import TORCH_AMP, Mode
-from .report import DIVERGED, FAILED, OK, OOM, ModeResult
+from .report import DIVERGED, FAILED, OK, OOM, SKIPPED, ModeResult
 from .task import Task, TaskError, build_task
 from .torch_amp import NoTorchEquivalent, TorchAmpPrecision, optimizer_name
 
@@ -168,14 +171,21 @@ class AmpPrecision:
     amp.scale_loss, and mixprec's diagnostics Monitor on the loss scale (it raises
     LossScaleStuckError when the scale is stuck at its floor)."""
 
-    def __init__(self, mode: Mode, task: Task, patience: int, max_events: int) -> None:
+    def __init__(self, mode: Mode, task: Task, device: torch.device, cfg: RunConfig, max_events: int) -> None:
         self.optimizer_name = optimizer_name(task.optimizer)
+        lean = lean_options(mode, task, device, cfg.seed)
+        # The remainder is asked for with cast_model_type, as amp.initialize documents it.
+        dtype = {"cast_model_type": mode.dtype} if "master_weights" in lean else \
+            {"dtype": None if mode.opt_level == "O0" else mode.dtype}
         task.model, task.optimizer = amp.initialize(task.model, task.optimizer, opt_level=mode.opt_level,
-                                                    dtype=None if mode.opt_level == "O0" else mode.dtype,
-                                                    verbosity=0)
+                                                    verbosity=0, **dtype, **lean)
+        self.fp8_layers = [m for m in task.model.modules() if isinstance(m, Fp8Linear)]
+        if lean.get("fp8") and not self.fp8_layers:  # it would be O2-bf16 under another name
+            raise ModeSkipped(f"no nn.Linear of the model is eligible for FP8 (in_features and out_features "
+                              f"multiples of {FP8_ALIGN})")
         self.optimizer = task.optimizer
         self.scaler = _amp_state.loss_scalers[0]
-        self.monitor = diagnostics.Monitor(task.model, patience=patience, max_events=max_events)
+        self.monitor = diagnostics.Monitor(task.model, patience=cfg.patience, max_events=max_events)
         self.watch_loss = self.monitor.watch_loss
         self.stuck: Optional[diagnostics.LossScaleStuckError] = None
         self.autocast = contextlib.nullcontext  # O1 puts the model's own forward under autocast
@@ -211,10 +221,11 @@ def make_precision(mode: Mode, task: Task, device: torch.device, cfg: RunConfig)
     """The object that trains ``task`` in ``mode``: autocast(), watch_loss(loss),
     backward_step(loss), check() (raises once the mode is stuck), loss_scale(), skipped, events,
     optimizer_name, close(). For a torch.amp mode whose task optimizer torch cannot express it
-    raises NoTorchEquivalent, which fails that mode alone."""
+    raises NoTorchEquivalent, which fails that mode alone; for a lean variant this task or device
+    cannot take, ModeSkipped."""
     if mode.opt_level == TORCH_AMP:
         return TorchAmpPrecision(mode, task, device, cfg.patience, MAX_EVENTS_KEPT)
-    return AmpPrecision(mode, task, cfg.patience, MAX_EVENTS_KEPT)
+    return AmpPrecision(mode, task, device, cfg, MAX_EVENTS_KEPT)
 
 
 def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cfg: RunConfig,
@@ -246,6 +257,8 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
                                 f"weights: {one_line(e)}") from e
         precision = make_precision(mode, task, device, cfg)
         r.optimizer = precision.optimizer_name
+        if mode.variant == "fp8" and device.type != "cuda":
+            r.emulated, r.note = True, FP8_EMULATED
         if cfg.debug_forward:
             debugger = diagnostics.ForwardDebugger(task.model)
         per_epoch = _steps_per_epoch(task.train_loader, cfg.steps_per_epoch)
@@ -320,6 +333,8 @@ def run_mode(mode: Mode, factory: Callable, where: str, device: torch.device, cf
         raise
     except NoTorchEquivalent as e:  # this mode cannot run on this task; the others can
         r.status, r.error = FAILED, str(e)
+    except ModeSkipped as e:  # nothing went wrong: the mode does not apply to this task or device
+        r.status, r.error = SKIPPED, str(e)
     except Exception as e:  # an op without a kernel for this dtype, a user bug, ...: recorded, not fatal
         r.status, r.error = (OOM if is_oom(e) else FAILED), one_line(e)
     finally:
@@ -341,6 +356,10 @@ def _finish(r: ModeResult, meter: MemoryMeter, precision, debugger, epoch_sample
         r.nonfinite_params = sorted({p for e in precision.events for p in e.params})
         if r.steps:
             r.final_loss_scale = precision.loss_scale()
+            r.state_bytes_per_param, r.master_bytes_per_param = state_bytes(precision.optimizer)
+        layers = getattr(precision, "fp8_layers", None)
+        if layers:  # calls whose token count broke the tile rule ran plain F.linear: counted
+            r.fp8_linears, r.fp8_fallbacks = len(layers), sum(m.fp8_state.fallbacks for m in layers)
         precision.close()
     if debugger is not None:
         if debugger.first is not None:

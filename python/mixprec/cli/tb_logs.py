@@ -61,7 +61,8 @@ class TensorBoardSink:
         """The mode's row in the HParams view: what it is (mode, opt level, dtype, optimizer,
         status) and its figures (written into this mode's own run, so each mode is one run)."""
         hparams = {"mode": result.mode, "opt_level": result.opt_level, "dtype": result.dtype,
-                   "optimizer": result.optimizer or "", "status": result.status}
+                   "optimizer": result.optimizer or "", "status": result.status,
+                   "emulated": "yes" if result.emulated else "no"}  # torch logs a bool as 0.0/1.0
         from .memory import CPU_KIND
 
         memory = result.memory_kind != CPU_KIND  # on a CPU the figure is noise (see memory.py)
@@ -69,7 +70,9 @@ class TensorBoardSink:
                    "peak_memory_mb": result.peak_memory_mb if memory else None, "memory_saving": result.memory_saving,
                    "val_loss": result.val_loss, "val_metric": result.val_metric,
                    "skipped_fraction": result.skipped_steps / result.steps if result.steps else None,
-                   "final_loss_scale": result.final_loss_scale}
+                   "final_loss_scale": result.final_loss_scale,
+                   "state_bytes_per_param": result.state_bytes_per_param,
+                   "master_bytes_per_param": result.master_bytes_per_param}
         metrics = {f"hparam/{k}": v for k, v in figures.items() if _finite(v)}
         self.writer.add_hparams(hparams, metrics, hparam_domain_discrete={"mode": list(all_modes)}, run_name=".")
 
