@@ -1,8 +1,10 @@
 // rms_norm called through the public C++ header on CPU and CUDA: output and gradients against
 // torch's rms_norm in float64 (an fp32 weight on a bf16 input too), rstd, and bad input.
 #include <gtest/gtest.h>
+
 #include <mixprec/ops.h>
 #include <torch/torch.h>
+#include <limits>
 
 #include "test_support.h"
 
@@ -37,15 +39,17 @@ TEST_P(RmsNorm, OutputAndGradientsMatchFloat64) {
   }
 }
 
-TEST_P(RmsNorm, ForwardReturnsRowRstdAndEpsDefaultsToTheDtypes) {
+TEST_P(RmsNorm, ForwardReturnsRowRstdAndEpsDefaultsToTorchs) {
   const at::Tensor x = random_tensor({7, 40}, at::kHalf, device());
   const auto [out, rstd] = mixprec::rms_norm_forward(x, {40}, std::nullopt, 1e-5);
   const at::Tensor x64 = x.cpu().to(at::kDouble);
   EXPECT_TRUE(torch::allclose(rstd.cpu().to(at::kDouble), (x64.square().mean(1) + 1e-5).rsqrt(), 1e-5, 1e-6));
   EXPECT_EQ(out.scalar_type(), at::kHalf);
-  // eps = nullopt: finfo(fp16).eps, as torch's F.rms_norm.
+  // eps = nullopt: float32's epsilon, the type torch's F.rms_norm computes fp16 in (fp16's own
+  // 2^-10 would change these small rows' output several-fold).
   const at::Tensor small = x * 0.01;
-  const at::Tensor want = at::rms_norm(small.to(at::kDouble), {40}, std::nullopt, 0.0009765625).cpu();
+  const at::Tensor want =
+      at::rms_norm(small.to(at::kDouble), {40}, std::nullopt, std::numeric_limits<float>::epsilon()).cpu();
   const at::Tensor got = mixprec::rms_norm(small, {40}).cpu().to(at::kDouble);
   EXPECT_LT((got - want).norm().item<double>() / want.norm().item<double>(), 2e-3);
 }
