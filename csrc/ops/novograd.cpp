@@ -46,8 +46,7 @@ std::vector<kernels::TensorGroup> grad_groups(const PackedLists& packed) {
 }
 
 void check_list_length(const char* name, int64_t got, int64_t n, const char* hint) {
-  MIXPREC_CHECK_VALUE(got == n, arg_name(kOp, name), " has ", num(got), " tensors but ", arg_name(kOp, "params"),
-                      " has ", num(n), hint);
+  MIXPREC_CHECK_VALUE(got == n, arg_name(kOp, name), " has ", num(got), " tensors but params", " has ", num(n), hint);
 }
 
 // A float32 vector of one value per tensor of params (exp_avg_sq_norms, grad_norms): its shape,
