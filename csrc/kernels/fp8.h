@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/float_bits.h"
 #include "kernels/multi_tensor.h"
 
 namespace mixprec::kernels {
@@ -15,37 +16,17 @@ enum class Fp8Format : int8_t { kE4M3 = 0, kE5M2 = 1 };
 constexpr float kFp8E4M3Max = 448.f;
 constexpr float kFp8E5M2Max = 57344.f;
 
-MIXPREC_HOST_DEVICE inline uint32_t fp8_bits_of(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-
-MIXPREC_HOST_DEVICE inline float fp8_float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-
 // v rounded to nearest even into an FP8 format with kMan mantissa bits and exponent bias kBias,
 // saturated first to +-max_value: +-inf becomes +-max (a scaled tensor never produces FP8 inf),
 // NaN becomes the format's NaN (0x7f, with v's sign, as torch writes it). Branch-free, so the
 // CPU loop vectorizes and CUDA threads do not diverge.
 template <int kMan, int kBias> MIXPREC_HOST_DEVICE inline uint8_t fp8_encode(float v, float max_value) {
-  const uint32_t u = fp8_bits_of(v);
+  const uint32_t u = float_bits(v);
   const uint32_t sign = (u >> 24) & 0x80u;
   const uint32_t mag = u & 0x7fffffffu;
   const bool nan = mag > 0x7f800000u;
   // Saturate on the bits: for non-negative floats integer order is float order.
-  const uint32_t max_bits = fp8_bits_of(max_value);
+  const uint32_t max_bits = float_bits(max_value);
   const uint32_t a = mag < max_bits ? mag : max_bits;
   // Normal range: rebias the exponent, round the dropped mantissa bits to nearest even. A value
   // at max_value never rounds past it (max is representable, and a <= max).
@@ -57,8 +38,8 @@ template <int kMan, int kBias> MIXPREC_HOST_DEVICE inline uint8_t fp8_encode(flo
   // float unit (the count is < 2^kMan), and a count of 2^kMan is the smallest normal's code.
   constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + 1 - kBias) << 23;
   constexpr uint32_t kUnitsBits = static_cast<uint32_t>(127 + kBias - 1 + kMan) << 23;  // 2^(kBias-1+kMan)
-  const float units = fp8_float_of(a < kMinNormalBits ? a : 0u) * fp8_float_of(kUnitsBits);
-  const uint32_t sub = fp8_bits_of(units + 8388608.f) - 0x4b000000u;
+  const float units = bits_float(a < kMinNormalBits ? a : 0u) * bits_float(kUnitsBits);
+  const uint32_t sub = float_bits(units + 8388608.f) - 0x4b000000u;
   const uint32_t code = a < kMinNormalBits ? sub : normal;
   return static_cast<uint8_t>(sign | (nan ? 0x7fu : code));
 }
@@ -73,7 +54,7 @@ template <Fp8Format F> MIXPREC_HOST_DEVICE inline uint8_t fp8_encode_as(float v)
 
 // |x| as bits, combined by an unsigned max: the order of non-negative floats, with NaN above inf,
 // so the running max of a tensor holding NaN is NaN (the amax must show the non-finite input).
-MIXPREC_HOST_DEVICE inline uint32_t fp8_abs_bits(float x) { return fp8_bits_of(x) & 0x7fffffffu; }
+MIXPREC_HOST_DEVICE inline uint32_t fp8_abs_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 
 // One pass over x [rows, cols] (row-major, contiguous): out = fp8(x * scale), out_t = its
 // transpose [cols, rows] when not null, and *amax = max(*amax, max |x|) when not null. With out
@@ -126,8 +107,8 @@ MIXPREC_HOST_DEVICE inline void fp8_update_scale_step(const Fp8ScaleParams& p) {
     }
   if (reduced == 0u || reduced >= 0x7f800000u) return;  // zero, inf or NaN: keep the scale
   // In double: fp8_max / a tiny amax overflows float; the result is then tested once as a float.
-  const float s = static_cast<float>(static_cast<double>(p.fp8_max) / fp8_float_of(reduced) * p.margin_factor);
-  const uint32_t sb = fp8_bits_of(s);
+  const float s = static_cast<float>(static_cast<double>(p.fp8_max) / bits_float(reduced) * p.margin_factor);
+  const uint32_t sb = float_bits(s);
   if (sb != 0u && sb < 0x7f800000u) *p.scale = s;
 }
 

@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "kernels/float_bits.h"
 #include "kernels/multi_tensor.h"
 
 namespace mixprec::kernels {
@@ -51,25 +52,6 @@ struct WeightMode {
   bool stochastic = false;  // no master, bf16 params: stochastic rounding (per group too)
   uint64_t seed = 0;
 };
-
-MIXPREC_HOST_DEVICE inline uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-MIXPREC_HOST_DEVICE inline float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
 
 // Remainder masters. An fp32 master M is kept as (W, R): R = the low 16 bits of M, W = the bf16
 // nearest M with ties going to the lower bit pattern (toward zero). W is what the model computes

@@ -24,7 +24,7 @@ void run_quantize(const kernels::Fp8QuantizeParams& p) {
         0, p.rows * p.cols, kGrainElems, uint32_t{0},
         [&](int64_t b, int64_t e, uint32_t) { return kernels::fp8_quantize_span_cpu(p, b, e); }, combine);
   }
-  if (p.amax != nullptr) *p.amax = kernels::fp8_float_of(combine(kernels::fp8_abs_bits(*p.amax), worst));
+  if (p.amax != nullptr) *p.amax = kernels::bits_float(combine(kernels::fp8_abs_bits(*p.amax), worst));
 }
 
 std::tuple<at::Tensor, at::Tensor> fp8_quantize_cpu(const at::Tensor& x, const at::Tensor& scale, at::ScalarType dtype,
