@@ -4,12 +4,10 @@ Importing loads the compiled op library (torch.ops.mixprec) and never initialize
 """
 
 from . import _library
+from ._ops_fp8 import fp8_amax_, fp8_quantize, fp8_update_scale_
 from ._ops import (
     adagrad_,
     adam_,
-    fp8_amax_,
-    fp8_quantize,
-    fp8_update_scale_,
     lamb_,
     layer_norm,
     linear,

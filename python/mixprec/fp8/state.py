@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _ops
+from .. import _ops_fp8
 from . import distributed
 from .recipe import FP8_MAX, Fp8Recipe
 
@@ -48,17 +48,17 @@ class Fp8ScalingState(torch.nn.Module):
         r = self.recipe
         group = distributed.group_of(r)
         if r.scaling == "current":
-            _ops.fp8_amax_(x, amax)
+            _ops_fp8.fp8_amax_(x, amax)
             if group is not None:
                 distributed.all_reduce_max_(amax, group)
-            _ops.fp8_update_scale_(scale, history, amax, dtype, r.margin, "most_recent")
-            out, out_t = _ops.fp8_quantize(x, scale, dtype, transpose=transpose)
+            _ops_fp8.fp8_update_scale_(scale, history, amax, dtype, r.margin, "most_recent")
+            out, out_t = _ops_fp8.fp8_quantize(x, scale, dtype, transpose=transpose)
         else:
             reducer = distributed.delayed_reducer(group) if group is not None else None
             if reducer is not None:
                 reducer.before_update(self, role)
-            _ops.fp8_update_scale_(scale, history, amax, dtype, r.margin, r.amax_reduction)
-            out, out_t = _ops.fp8_quantize(x, scale, dtype, transpose=transpose, amax=amax)
+            _ops_fp8.fp8_update_scale_(scale, history, amax, dtype, r.margin, r.amax_reduction)
+            out, out_t = _ops_fp8.fp8_quantize(x, scale, dtype, transpose=transpose, amax=amax)
             if reducer is not None:
                 reducer.after_cast(self, role)
         if self.track_saturation:
