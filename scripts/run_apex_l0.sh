@@ -27,6 +27,15 @@ done < "$MANIFEST"
 [ "$bad" = 0 ] || exit 2
 
 export MIXPREC_APEX_ALIAS=1
+# Apex's test_adam.py and run_fused_layer_norm import torch.testing._internal, which needs
+# expecttest; the GPU machine has no network, so its pure-Python wheel is carried in
+# $SRC/wheels (fetched with `pip download --no-deps expecttest -d .apex-tests/wheels`) and put on
+# the path as a zip, without installing anything there.
+if ! $PY -c 'import expecttest' 2>/dev/null; then
+  for whl in "$SRC"/wheels/expecttest-*.whl; do
+    [ -f "$whl" ] && export PYTHONPATH="$PWD/$whl${PYTHONPATH:+:$PYTHONPATH}"
+  done
+fi
 # `import apex` must be mixprec's stand-in, and amp_C too; a real Apex would make this a run of Apex.
 $PY - <<'EOF' || exit 3
 import apex, amp_C, apex.amp
