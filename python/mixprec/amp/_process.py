@@ -203,23 +203,33 @@ def _patched_load_state_dict(self, state_dict: dict):
 
 
 def _init_fused_masters(optimizer: FusedOptimizer, group: dict, originals: dict) -> None:
+    # State that was there before (a checkpoint loaded before amp.initialize) gets new tensors, never
+    # writes into its own: amp.initialize takes back a failed call by putting the old ones back.
     for p in group["params"]:
         if p.dtype == torch.float32:
             continue
         state = optimizer.state[p]
-        if not state:
+        fresh = not state
+        if fresh:
             optimizer._init_param_state(p, group)
         if _lean.REMAINDER in state:
             if p in originals:  # the fp32 value from before the cast is the master: split it
                 weight, remainder = _lean.split(originals[p])
                 with torch.no_grad():
-                    p.copy_(weight)
-                state[_lean.REMAINDER].copy_(remainder)
+                    p.copy_(weight)  # the cast's new tensor, not the param's old one
+                _write_state(state, _lean.REMAINDER, remainder, fresh)
             continue
         if "master_param" not in state:
+            fresh = True
             state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
         if p in originals:
-            state["master_param"].copy_(originals[p])
+            _write_state(state, "master_param", originals[p], fresh)
+
+
+def _write_state(state: dict, key: str, value: torch.Tensor, fresh: bool) -> None:
+    target = state[key] if fresh else torch.empty_like(state[key])
+    target.copy_(value)
+    state[key] = target
 
 
 def process_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool | str,
