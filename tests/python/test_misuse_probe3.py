@@ -217,3 +217,36 @@ def test_a_failed_initialize_keeps_torch_future_flags(opt_cls, gen):
         assert_same_world(before, everything([model], [opt]))
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(False)
+
+
+# -- O2 with a torch optimizer: the stray-gradient guard, now one C-level pass, still sees every param ------
+def _scale_in_place(g):
+    g.mul_(2)  # a clip of one parameter's gradient
+
+
+def _replace(g):
+    return g.clone()  # a new tensor put in .grad
+
+
+@pytest.mark.parametrize("change", [_scale_in_place, _replace], ids=["in_place", "replaced"])
+@pytest.mark.parametrize("when", ["after_the_block", "after_a_step"])
+def test_o2_guard_sees_a_change_to_any_one_params_gradient(change, when, gen):
+    """The guard is no longer a Python loop over marks, but still covers every fp16 param: only the
+    middle one (not the first or last, which a fused optimizer's cheaper watch covers) changes."""
+    model = make_model(gen, "cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    loss = model(batch(gen)).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    if when == "after_a_step":
+        opt.step()
+    middle = model[3].weight  # low params: 0.weight, 3.weight, 3.bias (BatchNorm stays fp32)
+    new = change(middle.grad)
+    if new is not None:
+        middle.grad = new
+    before = amp_world([model], [opt])
+    with pytest.raises(RuntimeError, match=r"SGD.step\(\): the model's torch.float16 parameter of shape \(4, 32\) has "
+                                           "a gradient amp did not unscale"):
+        opt.step()
+    assert_same_world(before, amp_world([model], [opt]))

@@ -3,12 +3,26 @@ refuse gradients it never unscaled (a backward outside scale_loss, an in-place c
 
 from __future__ import annotations
 
-import weakref
+from collections import deque
+from functools import partial
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Optional
 
 import torch
 
 PLAIN, SWAP, FUSED_MASTERS = "plain", "swap", "fused_masters"
+
+_GRAD = attrgetter("grad")
+_VERSION = attrgetter("_version")
+_is_tensor = partial(is_not, None)  # (filter(None, ...) would ask a tensor for its truth value)
+#: The attribute amp's mark is kept in, on the gradient tensor.
+_MARK = "_mixprec_amp_seen_version"
+
+
+def clear_grads(tensors: list[torch.Tensor]) -> None:
+    """``t.grad = None`` for each, in one C-level pass."""
+    deque(map(setattr, tensors, repeat("grad"), repeat(None)), maxlen=0)
 
 
 def stray_message(stray: str) -> str:
@@ -19,8 +33,13 @@ def stray_message(stray: str) -> str:
 
 
 class GradMarks:
-    """AmpStash's marks: each watched param's gradient as amp last saw it (a weak reference and its
-    version counter). Expects ``kind``, ``optimizer``, ``low_params`` and ``grad_marks``."""
+    """AmpStash's marks: each watched param's gradient carries, as a Python attribute of the tensor
+    itself, its version counter as amp last saw it. A gradient amp has not seen is a new tensor
+    (no mark: a backward into a gradient set to None, a replaced ``.grad``) or the same one
+    changed since (a backward accumulating into it, an in-place clip): its mark is missing or
+    behind its version. Marking and checking are one C-level pass each (``map`` over attribute
+    getters, tens of nanoseconds a param): no Python code runs per param on the hot path, and the
+    mark dies with the gradient. Expects ``kind``, ``optimizer`` and ``low_params``."""
 
     def _watched(self) -> list[torch.Tensor]:
         """The model params whose gradients amp marks: every low-precision one under SWAP; under
@@ -41,17 +60,19 @@ class GradMarks:
     def note_grads(self) -> None:
         """The watched gradients are the ones amp has accounted for (unscaled, checked or zeroed)."""
         if self.kind != PLAIN:
-            self.grad_marks = {id(p): (weakref.ref(p.grad), p.grad._version) if p.grad is not None else None
-                               for p in self._watched()}
+            grads = list(filter(_is_tensor, map(_GRAD, self._watched())))
+            deque(map(setattr, grads, repeat(_MARK), map(_VERSION, grads)), maxlen=0)
 
     def stray_gradient(self) -> Optional[str]:
         """Which watched param holds a gradient amp has not seen (a backward outside scale_loss, an
         in-place change after it, or a GradScaler's), if any."""
-        for p in self._watched():
-            g = p.grad
-            if g is None:
-                continue
-            mark = self.grad_marks.get(id(p))
-            if mark is None or mark[0]() is not g or mark[1] != g._version:
+        watched = self._watched()
+        grads = list(map(_GRAD, watched))
+        # A missing gradient reads -1 on both sides; an unmarked one -1 against its version (>= 0).
+        if list(map(getattr, grads, repeat(_MARK), repeat(-1))) == list(map(getattr, grads, repeat("_version"),
+                                                                             repeat(-1))):
+            return None
+        for p, g in zip(watched, grads):
+            if g is not None and getattr(g, _MARK, -1) != g._version:
                 return f"the model's {p.dtype} parameter of shape {tuple(p.shape)}"
         return None

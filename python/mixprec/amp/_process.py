@@ -14,7 +14,7 @@ import torch
 from .._step_guard import StepGuard
 from ..optimizers import FusedOptimizer
 from ..optimizers import _lean
-from ._grad_marks import stray_message
+from ._grad_marks import clear_grads, stray_message
 from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash
 from ._properties import LOW_DTYPES
 from ._scaler import _amp_state
@@ -105,16 +105,17 @@ def _patched_zero_grad(self, *args: Any, **kwargs: Any):
     retval = stash.orig_zero_grad(*args, **kwargs)
     set_to_none = kwargs.get("set_to_none", args[0] if args else None)
     set_to_none = True if set_to_none is None else bool(set_to_none)
-    for p in stash.low_params:
-        if p.grad is not None:
-            if set_to_none:
-                p.grad = None
-            else:
+    if set_to_none:
+        clear_grads(stash.low_params)
+    else:
+        for p in stash.low_params:
+            if p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
-    if stash.kind != PLAIN:  # PLAIN has no low pairs
-        for _, m in stash.low_pairs():
-            m.grad = None
+    if stash.kind == SWAP:
+        clear_grads(stash.low_masters)
+    elif stash.kind == FUSED_MASTERS:
+        clear_grads([m for _, m in stash.low_pairs()])
     if stash.stashed:
         stash.stashed.clear()
     stash.poisoned = None
@@ -123,7 +124,8 @@ def _patched_zero_grad(self, *args: Any, **kwargs: Any):
     stash.pending = stash.materialized = False
     stash.grad_scale = stash.wb_scale = None
     stash.contributions = 0
-    stash.note_grads()
+    if stash.kind != SWAP or not set_to_none:  # (SWAP's watched gradients were set to None above)
+        stash.note_grads()  # (a fused optimizer's zero_grad may zero them in place: Apex's set_grad_none)
     return retval
 
 
