@@ -250,3 +250,52 @@ def test_o2_guard_sees_a_change_to_any_one_params_gradient(change, when, gen):
                                            "a gradient amp did not unscale"):
         opt.step()
     assert_same_world(before, amp_world([model], [opt]))
+
+
+# -- torch.compile after a dtype change ---------------------------------------------------------------
+def _small(gen):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(random_tensor(p.shape, torch.float32, "cpu", gen, scale=0.3))
+    return model
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks_allowed", "fullgraph"])
+@pytest.mark.parametrize("level,change", [("O1", "half"), ("O2", "float"), ("O3", "double")])
+def test_a_compiled_forward_after_a_dtype_change_says_what_happened(level, change, fullgraph, gen, fresh_dynamo):
+    """Compiled, an O2/O3 model recast after initialize gave torch's "mat1 and mat2 must have the same
+    dtype" from fake tensors, before the eager path's except could name the change. (Under
+    fullgraph=True dynamo reports the error as an exception it cannot trace, with mixprec's text.)"""
+    model = amp.initialize(_small(gen), opt_level=level, verbosity=0, dtype=torch.bfloat16)
+    x = batch(gen)
+    torch.compile(model, backend="eager", fullgraph=fullgraph)(x)  # compiled before the change, too
+    getattr(model, change)()
+    now = next(model.parameters()).dtype
+    then = torch.float32 if level == "O1" else torch.bfloat16
+    with pytest.raises(Exception, match=rf"Sequential.forward: parameter '0.weight' is {now}, but amp.initialize "
+                                        rf"left it {then}: the model's dtype was changed after amp.initialize") as info:
+        torch.compile(model, backend="eager", fullgraph=fullgraph)(x)
+    assert "mat1 and mat2" not in str(info.value)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_the_compiled_forward_is_one_graph_as_before(level, gen, fresh_dynamo):
+    """The check runs only while dynamo traces, and folds away there: one graph, no break, only the
+    model's own ops and amp's casts, and the eager result."""
+    model = amp.initialize(_small(gen), opt_level=level, verbosity=0, dtype=torch.bfloat16)
+    x = batch(gen)
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    calls = [str(getattr(n.target, "__name__", n.target)).split(".")[0] for n in explained.graphs[0].graph.nodes
+             if n.op in ("call_function", "call_method", "call_module")]
+    casts = ["_enter_autocast", "_exit_autocast", "to"] if level == "O1" else ["to", "to"]
+    assert sorted(calls) == sorted(["linear", "relu", "linear"] + casts), calls
+    assert torch.equal(torch.compile(model, backend="eager", fullgraph=True)(x), model(x))

@@ -55,6 +55,7 @@ def to_type(dtype: torch.dtype, t: Any) -> Any:
 
 
 _Module = torch.nn.Module
+_is_compiling = torch.compiler.is_compiling  # constant True while dynamo traces, a flag read in eager
 
 
 def _first_param(module: torch.nn.Module) -> Optional[torch.Tensor]:
@@ -118,6 +119,11 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
 
     def forward(self, *args, **kwargs):
         if cast_in is not None:
+            if _is_compiling():
+                # Traced, a dtype error would come from fake tensors, before the except below can
+                # name the change: check first. Dynamo guards on the params' dtypes, so this folds
+                # to nothing in the graph (and a recast recompiles and raises here).
+                _raise_if_recast(self, cast_dtypes, input_dtype, None)
             args, kwargs = applier(args, cast_in), applier(kwargs, cast_in)
             try:
                 output = call(self, *args, **kwargs)
