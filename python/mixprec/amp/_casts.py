@@ -119,6 +119,8 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
 
     def forward(self, *args, **kwargs):
         if cast_in is not None:
+            if first_ref is not None and _first_param(self) is not first_ref():
+                _raise_replaced(self)
             if _is_compiling():
                 # Traced, a dtype error would come from fake tensors, before the except below can
                 # name the change: check first. Dynamo guards on the params' dtypes, so this folds
@@ -168,6 +170,19 @@ def _raise_if_recast(model: torch.nn.Module, cast_dtypes: dict, input_dtype: Opt
                 f"{then}: the model's dtype was changed after amp.initialize (model.float(), .half(), .double() or "
                 f".to(dtype)); {why}; to train in another precision, build the model again and pass it to "
                 "amp.initialize with that opt_level") from error
+
+
+def _raise_replaced(model: torch.nn.Module) -> None:
+    """O2/O3: the model's first param is not the object amp.initialize cast (and the optimizer
+    holds, with its master); the model trains nothing from here on, silently, unless told."""
+    name = next(iter(model.named_parameters()))[0]
+    raise RuntimeError(
+        f"{type(model).__name__}.forward: parameter {name!r} is no longer the tensor amp.initialize cast: the "
+        "model's parameters were replaced after amp.initialize (model.to(device) onto a device whose tensors cannot "
+        "take the old ones' place, such as meta, or any move with torch.__future__."
+        "set_overwrite_module_params_on_conversion(True); load_state_dict(..., assign=True)), and the optimizer "
+        "(and under O2 its fp32 masters) still holds the old ones, so this model would not train. Move the model before "
+        "amp.initialize, and load checkpoints without assign=True")
 
 
 # -- disable_casts and the decorators ------------------------------------------------------------

@@ -1,5 +1,7 @@
-"""Which model gradients amp has accounted for under O2, so that a step or a scale_loss block can
-refuse gradients it never unscaled (a backward outside scale_loss, an in-place change after it)."""
+"""What amp checks of the model's params under O2 before a scale_loss block or a step changes
+anything: which gradients it has accounted for, so that it can refuse ones it never unscaled (a
+backward outside scale_loss, an in-place change after it), and that the model was not moved away
+from the masters amp.initialize made."""
 
 from __future__ import annotations
 
@@ -75,4 +77,27 @@ class GradMarks:
         for p, g in zip(watched, grads):
             if g is not None and getattr(g, _MARK, -1) != g._version:
                 return f"the model's {p.dtype} parameter of shape {tuple(p.shape)}"
+        return None
+
+    def moved_param(self) -> Optional[str]:
+        """A model param no longer on its fp32 master's device (the model was moved after
+        amp.initialize, which made the masters where the params were), described; None if none.
+        The first and last low-precision params: ``model.to(device)`` and ``model.cuda()`` move
+        every one (the ops refuse a partial move's mixed devices themselves)."""
+        if self.kind == PLAIN:
+            return None
+        if self.kind == SWAP:
+            pairs = [(self.low_params[0], self.low_masters[0]), (self.low_params[-1], self.low_masters[-1])] \
+                if self.low_params else []
+        else:
+            state = self.optimizer.state
+            pairs = [(p, state[p].get("master_param", state[p].get("master_remainder")))
+                     for p in self._watched() if p in state]
+        for p, m in pairs:
+            if m is not None and p.device != m.device:
+                return (f"the model's {p.dtype} parameter of shape {tuple(p.shape)} is on {p.device}, but its fp32 "
+                        f"master weight is on {m.device}, where amp.initialize made it: the model was moved after "
+                        "amp.initialize (model.cuda(), .to(device)), and under O2 the optimizer steps the masters "
+                        "(with its state) where they are. Move the model before amp.initialize, as Apex requires: "
+                        "amp.initialize(model.cuda(), optimizer, ...)")
         return None

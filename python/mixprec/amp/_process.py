@@ -28,6 +28,9 @@ def _patched_step(self, *args: Any, **kwargs: Any):
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
     if stash.poisoned:
         raise RuntimeError(stash.poisoned_message(f"{type(self).__name__}.step()"))
+    moved = stash.moved_param()
+    if moved is not None:
+        raise RuntimeError(f"{type(self).__name__}.step(): {moved} (nothing was stepped)")
     # SWAP's masters get gradients only from scale_loss; FUSED_MASTERS steps a plain backward's
     # gradients as they are, but not ones mixed into a block's scaled ones.
     if stash.unfinished is None and (stash.kind == SWAP or stash.pending or stash.materialized):

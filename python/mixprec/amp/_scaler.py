@@ -88,6 +88,15 @@ class LossScaler:
         self.state.lazy_init(device)
         return self.state.scale
 
+    def follow(self, device: torch.device) -> None:
+        """Moves the scale's device values to ``device``, where the loss now is: a model moved after
+        amp.initialize (O0, O1, O3: its optimizer holds the same params, which keep training), whose
+        scale was made beside the first loss. Apex's scale was a host number, which went anywhere."""
+        state = self.state
+        for name, value in list(vars(state).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(state, name, value.to(device))
+
     def update(self, found: torch.Tensor, verbosity: int) -> None:
         if self.dynamic:
             self.state.update(found)
