@@ -70,6 +70,8 @@ class GradMarks:
         in-place change after it, or a GradScaler's), if any."""
         watched = self._watched()
         grads = list(map(_GRAD, watched))
+        if not any(map(_is_tensor, grads)):
+            return None  # (after zero_grad: nothing to read)
         # A missing gradient reads -1 on both sides; an unmarked one -1 against its version (>= 0).
         if list(map(getattr, grads, repeat(_MARK), repeat(-1))) == list(map(getattr, grads, repeat("_version"),
                                                                              repeat(-1))):
