@@ -27,6 +27,12 @@ def scaled_backward(model, opt, gen, device="cpu", poison=None):
             model[0].weight.grad.view(-1)[1] = poison
 
 
+def full_step(model, opt, gen):
+    opt.zero_grad()
+    scaled_backward(model, opt, gen)
+    opt.step()
+
+
 REPLACED = r"parameter '0.weight' is no longer the tensor amp.initialize cast: the model's parameters were replaced"
 
 
@@ -110,10 +116,8 @@ def test_o1_model_moved_to_the_gpu_keeps_training(gen):
     model = make_model(gen, "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
-    for _ in range(2):
-        opt.zero_grad()
-        scaled_backward(model, opt, gen)
-        opt.step()
+    for _ in range(2):  # the scale's device values are made on the CPU
+        full_step(model, opt, gen)
     model.cuda()
     scale = amp.loss_scale()
     for step in range(3):
