@@ -147,3 +147,23 @@ def test_o1_model_moved_to_the_gpu_keeps_training(gen):
         else:
             assert all(torch.equal(r, p) for r, p in zip(ref.parameters(), model.parameters()))
             assert amp.loss_scale() == scale
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_copies_of_a_model_check_their_own_params(level, gen, tmp_path):
+    """A deepcopy (an EMA model) shares the forward's closure with the original: the param amp
+    compares lives in each model's own attributes, so the copy runs (it was refused as replaced),
+    and a copy moved to meta is refused for itself. A pickled whole model still loads."""
+    model = make_model(gen, "cpu")
+    opt = FusedAdam(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    ema = copy.deepcopy(model)
+    x = batch(gen)
+    assert torch.equal(ema(x), model(x))
+    ema.to("meta")
+    with pytest.raises(RuntimeError, match=REPLACED):
+        ema(x.to("meta"))
+    model(x)  # the original is untouched by its copy's move
+    torch.save(model, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))

@@ -6,6 +6,7 @@ unless the user registers it (or amp.init's handle is active: _o1_patch)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import weakref
 from collections import abc
@@ -93,6 +94,35 @@ def _device_type_of(module: torch.nn.Module, args: tuple, kwargs: dict, first: O
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_CAST_FIRST = "_mixprec_amp_cast_first"
+
+
+def _gone() -> None:
+    return None
+
+
+class FirstParam:
+    """O2/O3: the model's first param as amp.initialize cast it (and the optimizer holds it), kept in
+    the model's ``__dict__`` rather than the forward's closure, which copies of the model share: a
+    deepcopy (an EMA model) maps it to the copy's own param. Weak, as a param replaced must not
+    stay alive; pickled as the param itself."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, param: Optional[torch.Tensor]) -> None:
+        self.ref = weakref.ref(param) if param is not None else _gone
+
+    def get(self) -> Optional[torch.Tensor]:
+        return self.ref()
+
+    def __deepcopy__(self, memo: dict) -> "FirstParam":
+        param = self.ref()
+        return self if param is None else FirstParam(copy.deepcopy(param, memo))
+
+    def __reduce__(self):
+        return (FirstParam, (self.ref(),))
+
+
 def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtype] = None,
                   input_dtype: Optional[torch.dtype] = None, output_dtype: Optional[torch.dtype] = None) -> None:
     """Wraps ``model.forward`` (an instance attribute bound to ``model``, so deepcopy, DDP and
@@ -116,10 +146,13 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
     first_param = _first_param(model)
     first_ref = weakref.ref(first_param) if first_param is not None else None
     first_dtype = first_param.dtype if first_param is not None else None
+    if cast_in is not None and first_param is not None:
+        model.__dict__[_CAST_FIRST] = FirstParam(first_param)
 
     def forward(self, *args, **kwargs):
         if cast_in is not None:
-            if first_ref is not None and _first_param(self) is not first_ref():
+            cast_first = self.__dict__.get(_CAST_FIRST)
+            if cast_first is not None and _first_param(self) is not cast_first.get():
                 _raise_replaced(self)
             if _is_compiling():
                 # Traced, a dtype error would come from fake tensors, before the except below can
