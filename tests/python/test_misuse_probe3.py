@@ -71,6 +71,17 @@ class CastRefusingLinear(torch.nn.Linear):
         raise Refused("this module cannot be cast")
 
 
+class UncastableParameter(torch.nn.Parameter):
+    """A parameter that cannot become float16 (a tensor subclass whose ``to`` refuses the dtype)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and torch.float16 in (*args[1:], kwargs.get("dtype")):
+            raise Refused("this parameter cannot be float16")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
 class ForwardGuardedSequential(torch.nn.Sequential):
     """A model that refuses a new ``forward`` attribute (some wrappers guard their attributes)."""
 
@@ -108,6 +119,8 @@ def hostile_model(gen, last):
         bad.load_state_dict(layers[3].state_dict())
         layers[3] = bad
     seq = ForwardGuardedSequential(*layers) if last == "forward" else torch.nn.Sequential(*layers)
+    if last == "param":
+        seq[3].bias = UncastableParameter(seq[3].bias.detach().clone())
     return seq
 
 
@@ -119,6 +132,7 @@ STAGES = {
     # stage: (opt_level, optimizer kind, model 2's failing piece)
     "model_cast": ("O2", "sgd", "cast"),
     "model_cast_fused": ("O2", "fused", "cast"),
+    "param_cast": ("O3", "sgd", "param"),
     "forward_patch": ("O1", "sgd", "forward"),
     "forward_patch_o2": ("O2", "fused", "forward"),
     "optimizer_recast": ("O2", "armed_sgd", None),
@@ -162,6 +176,8 @@ def test_initialize_that_fails_partway_changes_nothing(stage, earlier, gen):
     # The same models and optimizers, the hostile piece fixed, initialize and train as ever.
     if piece == "cast":
         second[3].__class__ = torch.nn.Linear
+    elif piece == "param":
+        second[3].bias.__class__ = torch.nn.Parameter
     elif piece == "forward":
         second.__class__ = torch.nn.Sequential
     models, opts = amp.initialize(models, opts, opt_level=level, verbosity=0)
