@@ -16,9 +16,14 @@ from mixprec.apex_compat import normalization as N
 
 
 def batch(gen):
-    # Small inputs: the scaled float16 gradients must not overflow of themselves (65536 is O2's
-    # first scale), so that only the injected inf/NaN decides which loss overflows.
     return random_tensor((16, 8), torch.float32, "cpu", gen, scale=0.1)
+
+
+#: O2's scale capped at 2**10 (it starts at min(max_loss_scale, 2**16)): the scaled float16
+#: gradients must not overflow of themselves (BatchNorm's backward amplifies them), so that only
+#: the injected inf/NaN decides which step and loss overflow.
+CAP = dict(max_loss_scale=2.0**10)
+S = 2.0**10
 
 
 def block(model, opt, gen, loss_id=0, poison=None, retain=False, out=None):
@@ -39,15 +44,16 @@ def test_unskipped_is_settable_as_apex_resume_code_does(gen):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
     scaler = amp._amp_state.loss_scalers[0]
+    scaler._loss_scale = S  # (below the cap that growth needs, and small enough not to overflow)
     scaler._unskipped = 1998  # before the scale's device values exist: kept for them
     block(model, opt, gen)
     opt.step()
-    assert scaler._unskipped == 1999 and amp.loss_scale() == 2.0**16
+    assert scaler._unskipped == 1999 and amp.loss_scale() == S
     scaler._unskipped = 1999  # on the device now: a fill
     opt.zero_grad()
     block(model, opt, gen)
     opt.step()
-    assert amp.loss_scale() == 2.0**17 and scaler._unskipped == 0
+    assert amp.loss_scale() == 2 * S and scaler._unskipped == 0
     before = amp_world([model], [opt])
     for bad in (-1, 2**31, 1.5, "7", math.nan):
         with pytest.raises(ValueError, match=r"amp loss scaler 0: _unskipped must be an integer >= 0"):
@@ -58,7 +64,7 @@ def test_unskipped_is_settable_as_apex_resume_code_does(gen):
 def test_has_overflow_reports_the_last_update_as_apex_did(gen):
     model = make_model(gen, "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, **CAP)
     scaler = amp._amp_state.loss_scalers[0]
     assert scaler._has_overflow is False  # nothing checked yet
     block(model, opt, gen, poison=math.inf)
@@ -88,7 +94,7 @@ def test_keep_batchnorm_fp32_decides_batchnorms_dtype_and_master(keep, gen):
     model = make_model(gen, "cpu")
     fp32 = {name: p.detach().clone() for name, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp32=keep, verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp32=keep, verbosity=0, **CAP)
     kept = keep is True
     bn = model[1]
     assert bn.weight.dtype == (torch.float32 if kept else torch.float16)
@@ -112,14 +118,14 @@ def test_keep_batchnorm_fp32_decides_batchnorms_dtype_and_master(keep, gen):
 def test_each_loss_id_keeps_its_own_scale_and_checkpoint_entry(gen):
     model = make_model(gen, "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=3, verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", num_losses=3, verbosity=0, **CAP)
     out = None
     for loss_id in range(3):  # an overflow in loss 1's backward only
         out = block(model, opt, gen, loss_id, poison=math.inf if loss_id == 1 else None, retain=loss_id < 2, out=out)
     weights = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))  # skipped: every loss's step
-    assert [amp.loss_scale(i) for i in range(3)] == [2.0**16, 2.0**15, 2.0**16]
+    assert [amp.loss_scale(i) for i in range(3)] == [S, S / 2, S]
     assert [amp.skipped_steps(i) for i in range(3)] == [0, 1, 0] and amp.skipped_steps() == 1
     opt.zero_grad()
     out = None
@@ -131,11 +137,11 @@ def test_each_loss_id_keeps_its_own_scale_and_checkpoint_entry(gen):
     saved = amp.state_dict()
     assert sorted(saved) == ["loss_scaler0", "loss_scaler1", "loss_scaler2"]
     assert [(saved[f"loss_scaler{i}"]["loss_scale"], saved[f"loss_scaler{i}"]["unskipped"]) for i in range(3)] == \
-        [(2.0**16, 2), (2.0**15, 1), (2.0**16, 77)]  # two clean updates; an overflow and one; set
+        [(S, 2), (S / 2, 1), (S, 77)]  # two clean updates; an overflow and one; set
     # A fresh initialize with three losses takes each entry back to its own scaler.
     model = make_model(gen, "cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    amp.initialize(model, opt, opt_level="O2", num_losses=3, verbosity=0)
+    amp.initialize(model, opt, opt_level="O2", num_losses=3, verbosity=0, **CAP)
     amp.load_state_dict(saved)
     assert amp.state_dict() == saved
 

@@ -56,10 +56,15 @@ def earlier(gen):
 
 
 def trained(model, opt, gen) -> None:
-    """The earlier initialize still trains: its step changes the weights."""
+    """The earlier initialize still trains: its step changes the weights (within a few steps: at
+    O2's first scale, 2**16, a random batch's float16 gradients may overflow, and that step is
+    skipped while the scale backs off)."""
     weights = [p.detach().clone() for p in model.parameters()]
-    scaled_step(model, opt, gen)
-    assert any(not torch.equal(w, p) for w, p in zip(weights, model.parameters()))
+    for _ in range(4):
+        scaled_step(model, opt, gen)
+        if any(not torch.equal(w, p) for w, p in zip(weights, model.parameters())):
+            return
+    raise AssertionError("four scaled steps left every weight as it was")
 
 
 # -- the hostile pieces, one per stage ------------------------------------------------------------
