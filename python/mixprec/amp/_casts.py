@@ -6,6 +6,7 @@ unless the user registers it (or amp.init's handle is active: _o1_patch)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import weakref
 from collections import abc
@@ -55,6 +56,7 @@ def to_type(dtype: torch.dtype, t: Any) -> Any:
 
 
 _Module = torch.nn.Module
+_is_compiling = torch.compiler.is_compiling  # constant True while dynamo traces, a flag read in eager
 
 
 def _first_param(module: torch.nn.Module) -> Optional[torch.Tensor]:
@@ -92,6 +94,35 @@ def _device_type_of(module: torch.nn.Module, args: tuple, kwargs: dict, first: O
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_CAST_FIRST = "_mixprec_amp_cast_first"
+
+
+def _gone() -> None:
+    return None
+
+
+class FirstParam:
+    """O2/O3: the model's first param as amp.initialize cast it (and the optimizer holds it), kept in
+    the model's ``__dict__`` rather than the forward's closure, which copies of the model share: a
+    deepcopy (an EMA model) maps it to the copy's own param. Weak, as a param replaced must not
+    stay alive; pickled as the param itself."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, param: Optional[torch.Tensor]) -> None:
+        self.ref = weakref.ref(param) if param is not None else _gone
+
+    def get(self) -> Optional[torch.Tensor]:
+        return self.ref()
+
+    def __deepcopy__(self, memo: dict) -> "FirstParam":
+        param = self.ref()
+        return self if param is None else FirstParam(copy.deepcopy(param, memo))
+
+    def __reduce__(self):
+        return (FirstParam, (self.ref(),))
+
+
 def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtype] = None,
                   input_dtype: Optional[torch.dtype] = None, output_dtype: Optional[torch.dtype] = None) -> None:
     """Wraps ``model.forward`` (an instance attribute bound to ``model``, so deepcopy, DDP and
@@ -115,9 +146,19 @@ def patch_forward(model: torch.nn.Module, *, autocast_dtype: Optional[torch.dtyp
     first_param = _first_param(model)
     first_ref = weakref.ref(first_param) if first_param is not None else None
     first_dtype = first_param.dtype if first_param is not None else None
+    if cast_in is not None and first_param is not None:
+        model.__dict__[_CAST_FIRST] = FirstParam(first_param)
 
     def forward(self, *args, **kwargs):
         if cast_in is not None:
+            cast_first = self.__dict__.get(_CAST_FIRST)
+            if cast_first is not None and _first_param(self) is not cast_first.get():
+                _raise_replaced(self)
+            if _is_compiling():
+                # Traced, a dtype error would come from fake tensors, before the except below can
+                # name the change: check first. Dynamo guards on the params' dtypes, so this folds
+                # to nothing in the graph (and a recast recompiles and raises here).
+                _raise_if_recast(self, cast_dtypes, input_dtype, None)
             args, kwargs = applier(args, cast_in), applier(kwargs, cast_in)
             try:
                 output = call(self, *args, **kwargs)
@@ -162,6 +203,19 @@ def _raise_if_recast(model: torch.nn.Module, cast_dtypes: dict, input_dtype: Opt
                 f"{then}: the model's dtype was changed after amp.initialize (model.float(), .half(), .double() or "
                 f".to(dtype)); {why}; to train in another precision, build the model again and pass it to "
                 "amp.initialize with that opt_level") from error
+
+
+def _raise_replaced(model: torch.nn.Module) -> None:
+    """O2/O3: the model's first param is not the object amp.initialize cast (and the optimizer
+    holds, with its master); the model trains nothing from here on, silently, unless told."""
+    name = next(iter(model.named_parameters()))[0]
+    raise RuntimeError(
+        f"{type(model).__name__}.forward: parameter {name!r} is no longer the tensor amp.initialize cast: the "
+        "model's parameters were replaced after amp.initialize (model.to(device) onto a device whose tensors cannot "
+        "take the old ones' place, such as meta, or any move with torch.__future__."
+        "set_overwrite_module_params_on_conversion(True); load_state_dict(..., assign=True)), and the optimizer "
+        "(and under O2 its fp32 masters) still holds the old ones, so this model would not train. Move the model before "
+        "amp.initialize, and load checkpoints without assign=True")
 
 
 # -- disable_casts and the decorators ------------------------------------------------------------

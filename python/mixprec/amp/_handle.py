@@ -109,6 +109,10 @@ class _ScaleLoss:
             return loss.float()  # nothing to scale, check or copy (fp32, or bf16 without scaling)
 
         for i, stash in enumerate(stashes):
+            moved = stash.moved_param()
+            if moved is not None:
+                raise RuntimeError(f"amp.scale_loss: optimizers[{i}] ({type(stash.optimizer).__name__}): {moved} "
+                                   "(nothing was changed)")
             stray = None if stash.params_have_scaled_gradients else stash.stray_gradient()
             if stray is not None:
                 raise RuntimeError(f"amp.scale_loss: optimizers[{i}] ({type(stash.optimizer).__name__}): "
@@ -123,6 +127,9 @@ class _ScaleLoss:
         scale = scaler.state.scale
         if scale is None:
             scale = scaler.scale_tensor(loss.device)
+        elif scale.device != loss.device:  # the model was moved since the last scaled loss
+            scaler.follow(loss.device)
+            scale = scaler.state.scale
         try:
             scaled = loss.float() * scale if not unit else loss.float()
         except BaseException:

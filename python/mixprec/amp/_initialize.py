@@ -22,6 +22,7 @@ from ._optimizer import OPTIMIZER_TYPES, refresh_masters_from_model
 from ._process import process_optimizer
 from ._properties import LOW_DTYPES, Properties, logger, opt_levels, warn_or_err
 from ._scaler import LossScaler, _amp_state, _is_rank0
+from ._undo import InitializeUndo
 
 
 def _maybe_log(msg: str, verbosity: int) -> None:
@@ -170,17 +171,26 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     scalers = [LossScaler(props.loss_scale, i, min_loss_scale, max_loss_scale, scale_history)
                for i in range(num_losses)]
 
-    _amp_state.reset(None, int(verbosity), process_group)  # not initialized while the models change
-    _amp_state.min_loss_scale = min_loss_scale
-    _amp_state.max_loss_scale = max_loss_scale
-    _maybe_log(f"Selected optimization level {opt_levels[opt_level].brief}", verbosity)
-    _maybe_log("After processing overrides, optimization options are:\n" +
-               "\n".join(f"{k:22} : {v}" for k, v in props.options.items()) + f"\n{'dtype':22} : {low}", verbosity)
-    optimizer_list = _initialize(model_list, optimizer_list, props, low, cast_model_outputs, layer_kernels)
-    _amp_state.loss_scalers = scalers
-    _amp_state.dtype = low
-    _amp_state.opt_properties = props
-    _amp_state.handle = _handle_for_initialize(InitializeHandle)
+    # What is left to fail is the models' and optimizers' own code (a module's _apply, an
+    # optimizer's state_dict) and the casts themselves (memory): all or nothing, so a call that
+    # raises partway leaves no half-cast model, half-patched optimizer or uninitialized amp.
+    undo = InitializeUndo(model_list, optimizer_list)
+    try:
+        _amp_state.reset(None, int(verbosity), process_group)  # not initialized while the models change
+        _amp_state.min_loss_scale = min_loss_scale
+        _amp_state.max_loss_scale = max_loss_scale
+        _maybe_log(f"Selected optimization level {opt_levels[opt_level].brief}", verbosity)
+        _maybe_log("After processing overrides, optimization options are:\n" +
+                   "\n".join(f"{k:22} : {v}" for k, v in props.options.items()) + f"\n{'dtype':22} : {low}",
+                   verbosity)
+        optimizer_list = _initialize(model_list, optimizer_list, props, low, cast_model_outputs, layer_kernels)
+        _amp_state.loss_scalers = scalers
+        _amp_state.dtype = low
+        _amp_state.opt_properties = props
+        _amp_state.handle = _handle_for_initialize(InitializeHandle)
+    except BaseException:
+        undo.restore()
+        raise
 
     if optimizers_was_list:
         return (model_list if models_was_list else model_list[0]), optimizer_list

@@ -15,7 +15,7 @@ from ..apex_compat.larc import LARC
 from .._loss_scale import check_and_unscale_, combine_found
 from .._step_guard import StepGuard
 from ..distributed import agree_found_inf_
-from ._grad_marks import FUSED_MASTERS, PLAIN, SWAP, GradMarks
+from ._grad_marks import FUSED_MASTERS, PLAIN, SWAP, GradMarks, clear_grads
 from ._scaler import _amp_state
 
 #: What amp takes as an optimizer: torch's, and apex.parallel.LARC, which wraps one without being
@@ -95,9 +95,6 @@ class AmpStash(GradMarks):
         # ended. step() and scale_loss refuse until zero_grad() clears them.
         self.poisoned: Optional[str] = None
         self.guard = StepGuard()
-        # SWAP: each model param's gradient as amp last saw it (a weak reference and its version),
-        # so step() can tell a backward outside scale_loss, whose values no master received.
-        self.grad_marks: dict[int, Optional[tuple]] = {}
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -327,11 +324,11 @@ class AmpStash(GradMarks):
                 torch._foreach_copy_(self.low_params, self.low_masters)
             finally:
                 _set_grad_enabled(prev)
-            for m in self.low_masters:
-                m.grad = None  # Apex: master grads are not zeroed by model.zero_grad()
+            clear_grads(self.low_masters)  # Apex: master grads are not zeroed by model.zero_grad()
+            self._reset_step()
+            return  # the step read the masters' gradients, not the model's: their marks still hold
         if self.kind == FUSED_MASTERS:
-            for _, m in self.low_pairs():
-                m.grad = None
+            clear_grads([m for _, m in self.low_pairs()])
         self._reset_step()
         self.note_grads()  # a fused kernel handed amp's scale writes the unscaled gradients back
 

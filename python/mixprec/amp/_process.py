@@ -14,7 +14,7 @@ import torch
 from .._step_guard import StepGuard
 from ..optimizers import FusedOptimizer
 from ..optimizers import _lean
-from ._grad_marks import stray_message
+from ._grad_marks import clear_grads, stray_message
 from ._optimizer import FUSED_MASTERS, PLAIN, SWAP, AmpStash
 from ._properties import LOW_DTYPES
 from ._scaler import _amp_state
@@ -28,6 +28,9 @@ def _patched_step(self, *args: Any, **kwargs: Any):
         raise RuntimeError("Currently, Amp does not support closure use with optimizers.")
     if stash.poisoned:
         raise RuntimeError(stash.poisoned_message(f"{type(self).__name__}.step()"))
+    moved = stash.moved_param()
+    if moved is not None:
+        raise RuntimeError(f"{type(self).__name__}.step(): {moved} (nothing was stepped)")
     # SWAP's masters get gradients only from scale_loss; FUSED_MASTERS steps a plain backward's
     # gradients as they are, but not ones mixed into a block's scaled ones.
     if stash.unfinished is None and (stash.kind == SWAP or stash.pending or stash.materialized):
@@ -105,16 +108,17 @@ def _patched_zero_grad(self, *args: Any, **kwargs: Any):
     retval = stash.orig_zero_grad(*args, **kwargs)
     set_to_none = kwargs.get("set_to_none", args[0] if args else None)
     set_to_none = True if set_to_none is None else bool(set_to_none)
-    for p in stash.low_params:
-        if p.grad is not None:
-            if set_to_none:
-                p.grad = None
-            else:
+    if set_to_none:
+        clear_grads(stash.low_params)
+    else:
+        for p in stash.low_params:
+            if p.grad is not None:
                 p.grad.detach_()
                 p.grad.zero_()
-    if stash.kind != PLAIN:  # PLAIN has no low pairs
-        for _, m in stash.low_pairs():
-            m.grad = None
+    if stash.kind == SWAP:
+        clear_grads(stash.low_masters)
+    elif stash.kind == FUSED_MASTERS:
+        clear_grads([m for _, m in stash.low_pairs()])
     if stash.stashed:
         stash.stashed.clear()
     stash.poisoned = None
@@ -123,7 +127,8 @@ def _patched_zero_grad(self, *args: Any, **kwargs: Any):
     stash.pending = stash.materialized = False
     stash.grad_scale = stash.wb_scale = None
     stash.contributions = 0
-    stash.note_grads()
+    if stash.kind != SWAP or not set_to_none:  # (SWAP's watched gradients were set to None above)
+        stash.note_grads()  # (a fused optimizer's zero_grad may zero them in place: Apex's set_grad_none)
     return retval
 
 
@@ -203,23 +208,33 @@ def _patched_load_state_dict(self, state_dict: dict):
 
 
 def _init_fused_masters(optimizer: FusedOptimizer, group: dict, originals: dict) -> None:
+    # State that was there before (a checkpoint loaded before amp.initialize) gets new tensors, never
+    # writes into its own: amp.initialize takes back a failed call by putting the old ones back.
     for p in group["params"]:
         if p.dtype == torch.float32:
             continue
         state = optimizer.state[p]
-        if not state:
+        fresh = not state
+        if fresh:
             optimizer._init_param_state(p, group)
         if _lean.REMAINDER in state:
             if p in originals:  # the fp32 value from before the cast is the master: split it
                 weight, remainder = _lean.split(originals[p])
                 with torch.no_grad():
-                    p.copy_(weight)
-                state[_lean.REMAINDER].copy_(remainder)
+                    p.copy_(weight)  # the cast's new tensor, not the param's old one
+                _write_state(state, _lean.REMAINDER, remainder, fresh)
             continue
         if "master_param" not in state:
+            fresh = True
             state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
         if p in originals:
-            state["master_param"].copy_(originals[p])
+            _write_state(state, "master_param", originals[p], fresh)
+
+
+def _write_state(state: dict, key: str, value: torch.Tensor, fresh: bool) -> None:
+    target = state[key] if fresh else torch.empty_like(state[key])
+    target.copy_(value)
+    state[key] = target
 
 
 def process_optimizer(optimizer: torch.optim.Optimizer, master_weights: bool | str,

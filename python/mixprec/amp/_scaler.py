@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from .._loss_scale import ScaleState, check_scale
+from .._loss_scale import INT32_MAX, ScaleState, _check_number, check_scale
 from ..distributed import is_rank0
 
 logger = logging.getLogger("mixprec.amp")
@@ -83,14 +83,25 @@ class LossScaler:
                                 max_loss_scale if self.dynamic else None, history_size)
         self.reporter = _OverflowReporter(loss_id)
         self.loss_id = loss_id
+        self.last_found: Optional[torch.Tensor] = None
 
     def scale_tensor(self, device: torch.device) -> torch.Tensor:
         self.state.lazy_init(device)
         return self.state.scale
 
+    def follow(self, device: torch.device) -> None:
+        """Moves the scale's device values to ``device``, where the loss now is: a model moved after
+        amp.initialize (O0, O1, O3: its optimizer holds the same params, which keep training), whose
+        scale was made beside the first loss. Apex's scale was a host number, which went anywhere."""
+        state = self.state
+        for name, value in list(vars(state).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(state, name, value.to(device))
+
     def update(self, found: torch.Tensor, verbosity: int) -> None:
         if self.dynamic:
             self.state.update(found)
+            self.last_found = found  # a reference (no copy, no sync) for _has_overflow
             if verbosity:  # poll() does nothing at verbosity 0: skip the call on every step
                 self.reporter.poll(self.state, verbosity)
 
@@ -115,6 +126,29 @@ class LossScaler:
     @property
     def _unskipped(self) -> int:
         return self.state.get_growth_tracker()
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        # Apex's load_state_dict sets it, and resume code written after it does too: the clean steps
+        # counted toward the next growth (an int32 on the device). A fill: no sync.
+        value = int(_check_number(f"amp loss scaler {self.loss_id}: _unskipped", value, integer=True, lo=0,
+                                  hi=INT32_MAX))
+        state = self.state
+        state.init_growth_tracker = value
+        if state.growth_tracker is not None:
+            state.growth_tracker.fill_(value)
+
+    @property
+    def _has_overflow(self) -> bool:
+        """Whether the last scale update (the last scale_loss block, or the step after delayed
+        ones) saw an inf/NaN, as Apex's attribute said after each unscale; False for a static
+        scale, which Apex did not check either. Syncs."""
+        found = self.last_found
+        return False if found is None else bool(found.item())
+
+    def clear_overflow_state(self) -> None:
+        """Apex's: forgets the last overflow (``_has_overflow`` reads False until the next update)."""
+        self.last_found = None
 
 
 class AmpState:
