@@ -5,9 +5,7 @@
 #include <mixprec/mixprec.h>
 #include <torch/torch.h>
 
-#include <sstream>
-
-#include "test_support.h"
+#include "api_support.h"
 
 namespace {
 
@@ -17,6 +15,9 @@ using mixprec::optim::FusedAdamOptions;
 using mixprec::optim::FusedAdamParamState;
 using mixprec::optim::FusedAdamW;
 using mixprec::optim::FusedAdamWOptions;
+using mixprec::test::api::copies;
+using mixprec::test::api::load_from_string;
+using mixprec::test::api::save_to_string;
 
 constexpr int64_t kBlock = 256;
 
@@ -26,12 +27,6 @@ std::vector<at::Tensor> params8(const c10::Device& device) {
   for (auto s : std::vector<std::vector<int64_t>>{{7}, {kBlock}, {65536 + 300}, {33, 17}})
     ps.push_back(random_tensor(s, at::kFloat, device).requires_grad_(true));
   return ps;
-}
-
-std::vector<at::Tensor> clones(const std::vector<at::Tensor>& ps) {
-  std::vector<at::Tensor> out;
-  for (const auto& p : ps) out.push_back(p.detach().clone().requires_grad_(true));
-  return out;
 }
 
 FusedAdamParamState& state8(FusedAdamW& opt, const at::Tensor& p) {
@@ -54,27 +49,12 @@ void set_same_grads(const std::vector<at::Tensor>& a, const std::vector<at::Tens
   }
 }
 
-std::string save_to_string(const torch::optim::Optimizer& opt) {
-  torch::serialize::OutputArchive archive;
-  opt.save(archive);
-  std::ostringstream os;
-  archive.save_to(os);
-  return os.str();
-}
-
-void load_from_string(torch::optim::Optimizer& opt, const std::string& bytes) {
-  torch::serialize::InputArchive archive;
-  std::istringstream is(bytes);
-  archive.load_from(is);
-  opt.load(archive);
-}
-
 class ApiAdam8Bit : public DeviceTest {};
 MIXPREC_INSTANTIATE_DEVICE_TESTS(ApiAdam8Bit);
 
 TEST_P(ApiAdam8Bit, StateIsCodesAndScalesAndTheStepIsTheOpsOnThem) {
   auto a = params8(device());
-  auto b = clones(a);
+  auto b = copies(a);
   FusedAdamW opt(a, FusedAdamWOptions(0.01).state_dtype(at::kChar));
   // The op by hand on zero state: what the Python front passes for the same group.
   std::vector<at::Tensor> m, v, sm, sv;
@@ -113,7 +93,7 @@ TEST_P(ApiAdam8Bit, StateIsCodesAndScalesAndTheStepIsTheOpsOnThem) {
 
 TEST_P(ApiAdam8Bit, CheckpointRestoresTheModeAndContinuesBitIdentically) {
   auto a = params8(device());
-  auto b = clones(a);
+  auto b = copies(a);
   FusedAdamW original(a, FusedAdamWOptions(0.01).state_dtype(at::kChar));
   FusedAdamW restored(b, FusedAdamWOptions(0.01));  // float32: the checkpoint's state_dtype comes with it
   for (int k = 0; k < 2; ++k) {
@@ -138,7 +118,7 @@ TEST_P(ApiAdam8Bit, BadOptionsAndCheckpointsAreRefusedAndChangeNothing) {
   expect_c10_error([&] { FusedAdamW(a, FusedAdamWOptions(0.01).state_dtype(at::kByte)); },
                    {"state_dtype must be float32, bfloat16 or int8"});
   FusedAdamW target(a, FusedAdamWOptions(0.01).state_dtype(at::kChar));
-  auto b = clones(a);
+  auto b = copies(a);
   set_same_grads(a, b);
   target.step();
   // A checkpoint whose scales are the wrong size for their param, and one of float moments into

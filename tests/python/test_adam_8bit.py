@@ -193,6 +193,28 @@ def make_params(case, device, gen):
     return params, extra
 
 
+def check_step(params, grads, masters, state, kw, what):
+    """One 8-bit step against its reference: the fp32 moments decoded from the state, the fp32
+    op's step on them (checked against float64 in test_adam.py), its moments requantized by the
+    reference map; params, grads, masters, codes and scales bit for bit."""
+    device = params[0].device
+    ref_p, ref_g, ref_masters = [p.clone() for p in params], [g.clone() for g in grads], [m.clone() for m in masters]
+    moments = [ref_moments(*(s[i] for s in state)) for i in range(len(params))]
+    ref_m, ref_v = [m for m, _ in moments], [v for _, v in moments]
+    mixprec.adam_(ref_p, ref_g, ref_m, ref_v, **dict(kw, step_tensor=scalar(4.0, device), master_params=ref_masters))
+    step_tensor = scalar(4.0, device)
+    adam8(params, grads, state, **dict(kw, step_tensor=step_tensor, master_params=masters))
+    assert float(step_tensor) == 5.0
+    for i, p in enumerate(params):
+        assert_bitwise_equal(p, ref_p[i], f"{what}: params[{i}]")
+        assert_bitwise_equal(grads[i], ref_g[i], f"{what}: grads[{i}]")
+        if masters:
+            assert_bitwise_equal(masters[i], ref_masters[i], f"{what}: master_params[{i}]")
+        want = ref_state(ref_m[i], ref_v[i])
+        for k, name in enumerate(["exp_avg codes", "exp_avg scales", "exp_avg_sq codes", "exp_avg_sq scales"]):
+            assert_bitwise_equal(state[k][i], want[k], f"{what}: {name}[{i}]")
+
+
 @pytest.mark.parametrize("case_name", CASES)
 def test_step_is_dequantize_then_the_fp32_step_then_requantize(case_name, device, gen):
     case = CASES[case_name]
@@ -200,26 +222,21 @@ def test_step_is_dequantize_then_the_fp32_step_then_requantize(case_name, device
     scale = case.get("grad_scale")
     grads = [random_tensor(p.shape, p.dtype, device, gen, scale=scale or 1.0).contiguous(
         memory_format=torch.channels_last if case.get("channels_last") else torch.contiguous_format) for p in params]
-    state = state_of(params, gen, device)
-    kw = dict(HYPER, **case.get("kw", {}), step_tensor=scalar(4.0, device), master_params=masters)
+    kw = dict(HYPER, **case.get("kw", {}))
     if scale:
         kw["grad_scale"] = scalar(scale, device)
-    # The reference: fp32 moments decoded from the state, the fp32 op's step (checked against
-    # float64 in test_adam.py), its moments requantized by the reference map.
-    ref_p, ref_g, ref_masters = [p.clone() for p in params], [g.clone() for g in grads], [m.clone() for m in masters]
-    moments = [ref_moments(*(s[i] for s in state)) for i in range(len(params))]
-    ref_m, ref_v = [m for m, _ in moments], [v for _, v in moments]
-    mixprec.adam_(ref_p, ref_g, ref_m, ref_v, **dict(kw, step_tensor=scalar(4.0, device), master_params=ref_masters))
-    adam8(params, grads, state, **kw)
-    assert float(kw["step_tensor"]) == 5.0
-    for i, p in enumerate(params):
-        assert_bitwise_equal(p, ref_p[i], f"{case_name}: params[{i}]")
-        assert_bitwise_equal(grads[i], ref_g[i], f"{case_name}: grads[{i}]")
-        if masters:
-            assert_bitwise_equal(masters[i], ref_masters[i], f"{case_name}: master_params[{i}]")
-        want = ref_state(ref_m[i], ref_v[i])
-        for k, what in enumerate(["exp_avg codes", "exp_avg scales", "exp_avg_sq codes", "exp_avg_sq scales"]):
-            assert_bitwise_equal(state[k][i], want[k], f"{case_name}: {what}[{i}]")
+    check_step(params, grads, masters, state_of(params, gen, device), kw, case_name)
+
+
+def test_step_on_unaligned_views(device, gen):
+    # Views at an odd element offset take the CUDA kernel's element-wise path (no vector loads).
+    params, grads = [], []
+    for n in [BLOCK + 9, 3 * BLOCK]:
+        params.append(random_tensor(n + 1, torch.float32, device, gen)[1:])
+        grads.append(random_tensor(n + 1, torch.float32, device, gen)[1:])
+    cm, sm, cs, ss = state_of(params, gen, device)
+    shifted = lambda ts: [torch.empty(t.numel() + 1, dtype=t.dtype, device=device)[1:].copy_(t) for t in ts]
+    check_step(params, grads, [], [shifted(cm), sm, shifted(cs), ss], dict(HYPER, weight_decay=0.1), "unaligned")
 
 
 @pytest.mark.parametrize("where", ["first", "last", "random"])
