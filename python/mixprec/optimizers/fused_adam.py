@@ -7,14 +7,12 @@ import torch
 from .. import _ops
 from . import _quant8
 from ._base import FusedOptimizer, GroupOption
-from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, GroupRule, Rule, pair
+from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, STATE_DTYPE, GroupRule, pair
 
-# The moments' storage: float32, bfloat16 (half the memory) or torch.int8, 8-bit block-quantized
-# moments (exp_avg as int8 codes, sqrt(exp_avg_sq) as uint8 codes, a float32 scale per 256
-# elements; docs/optimizers.md). torch.int8 names the mode by its codes' dtype, as the other two
-# name theirs, and is a dtype the C++ front's c10::ScalarType option spells too (c10::kChar).
-ADAM_STATE_DTYPE = Rule(lambda x: x is torch.float32 or x is torch.bfloat16 or x is torch.int8,
-                        "torch.float32, torch.bfloat16 or torch.int8 (8-bit block-quantized moments)")
+# state_dtype=torch.int8: 8-bit block-quantized moments (exp_avg as int8 codes, sqrt(exp_avg_sq)
+# as uint8 codes, a float32 scale per 256 elements; docs/optimizers.md). torch.int8 names the mode
+# by its codes' dtype, as torch.bfloat16 names its mode, and the C++ front's c10::ScalarType
+# option spells it too (c10::kChar).
 NO_8BIT_AMSGRAD = GroupRule(("amsgrad", "state_dtype"), lambda amsgrad, dtype: not (amsgrad and dtype is torch.int8),
                             "amsgrad=False with state_dtype=torch.int8 (8-bit moments keep no amsgrad maximum)")
 
@@ -75,7 +73,7 @@ class FusedAdam(FusedOptimizer):
 
     _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
                     "amsgrad": FLAG, "adam_w_mode": FLAG, "bias_correction": FLAG, "maximize": FLAG,
-                    "state_dtype": ADAM_STATE_DTYPE}
+                    "state_dtype": STATE_DTYPE}
     _group_rules = (NO_8BIT_AMSGRAD,)
     _state_rules = {"exp_avg": MOMENT, "exp_avg_sq": SQUARES, "max_exp_avg_sq": SQUARES}
     _required_state = ("exp_avg", "exp_avg_sq")
@@ -132,7 +130,7 @@ class FusedAdam(FusedOptimizer):
                     saved = [state_dict["state"].get(pid) for pid in g["params"]]
                     dtypes = [s["exp_avg"].dtype for s in saved
                               if isinstance(s, dict) and isinstance(s.get("exp_avg"), torch.Tensor)]
-                    if dtypes and ADAM_STATE_DTYPE.ok(dtypes[0]):
+                    if dtypes and STATE_DTYPE.ok(dtypes[0]):
                         g = dict(g, state_dtype=dtypes[0])
                 groups.append(g)
             state_dict = dict(state_dict, param_groups=groups)
