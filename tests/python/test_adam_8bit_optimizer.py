@@ -103,6 +103,19 @@ def test_construction_refuses_amsgrad_and_unknown_state_dtypes(gen):
         FusedAdam(model_params(gen), state_dtype=torch.uint8)
 
 
+def test_setting_state_dtype_int8_refuses_amsgrad_groups_and_changes_nothing(gen):
+    params = model_params(gen)
+    opt = FusedAdam([dict(params=params[:1]), dict(params=params[1:], amsgrad=True)], lr=1e-2)
+    set_grads(params, gen)
+    opt.step()
+    before = snapshot([t for s in opt.state.values() for t in s.values()])
+    with pytest.raises(ValueError, match=r"FusedAdam: setting state_dtype: param group 1: invalid combination "
+                                         r"amsgrad=True, state_dtype=torch.int8"):
+        opt.state_dtype = torch.int8
+    assert [g["state_dtype"] for g in opt.param_groups] == [torch.float32] * 2
+    assert_unchanged(before, [t for s in opt.state.values() for t in s.values()])
+
+
 def roundtrip(sd):
     buf = io.BytesIO()
     torch.save(sd, buf)

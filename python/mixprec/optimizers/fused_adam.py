@@ -37,6 +37,8 @@ class _AdamStateDtype(GroupOption):
     of the 8-bit form at once (float32 and bfloat16 moments stay as they are until a reload, as before)."""
 
     def __set__(self, opt, value):
+        for i, group in enumerate(opt.param_groups):  # rules across options (amsgrad) see each group's
+            opt._check_group(dict(group, state_dtype=value), f"setting state_dtype: param group {i}")
         super().__set__(opt, value)
         for group in opt.param_groups:
             for p in group["params"]:
