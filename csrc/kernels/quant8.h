@@ -1,6 +1,6 @@
 // 8-bit block-quantized storage of Adam's moments (issue 24): per block of kQuantBlock elements one
 // float32 scale (the block's absmax) and one byte per element, coded on a minifloat map relative to
-// that scale. Host/device inline math, so the CPU and CUDA kernels store the same bits.
+// that scale. Host/device inline math, so the CPU and CUDA kernels code the same values to the same bits.
 //
 // The code map. x = |value| / scale lies in [0, 1]; its byte is a small float with a 4-bit
 // exponent field e and kMant mantissa bits f, rounded to nearest (ties to the even code):
