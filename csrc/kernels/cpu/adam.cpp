@@ -74,12 +74,16 @@ MIXPREC_CPU_CLONES void adam_chunk_q8(const AdamParams& p, const AdamCoefficient
     cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
     for (int64_t b = 0; b < len; b += kQuantBlock) {
       const int64_t end = std::min(len, b + kQuantBlock);
-      float avg_max = 0.f, sq_max = 0.f;
+      // The absmax as an integer max over the bits of |x|: non-negative floats order as their
+      // bits, and a NaN's bits exceed every number's, so a NaN moment still gives its block a NaN
+      // scale, as q8_absmax does on CUDA; unlike a NaN-keeping float max, this reduction vectorizes.
+      uint32_t avg_bits = 0, sq_bits = 0;
       for (int64_t i = b; i < end; ++i) {
         v[i] = sqrtf(v[i]);  // from here on v holds sqrt(exp_avg_sq), the quantity coded
-        avg_max = q8_absmax(avg_max, m[i]);
-        sq_max = q8_absmax(sq_max, v[i]);
+        avg_bits = std::max(avg_bits, float_bits(fabsf(m[i])));
+        sq_bits = std::max(sq_bits, float_bits(fabsf(v[i])));
       }
+      const float avg_max = bits_float(avg_bits), sq_max = bits_float(sq_bits);
       for (int64_t i = b; i < end; ++i) {
         avg_codes[at + i] = q8_encode_signed(m[i], avg_max);
         sq_codes[at + i] = q8_encode_root(v[i], sq_max);
