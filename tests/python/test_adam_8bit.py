@@ -257,6 +257,24 @@ def test_skipped_step_changes_nothing(where, bad, device, gen):
     assert_unchanged(before, everything, "skipped 8-bit step")
 
 
+@pytest.mark.parametrize("where", ["first", "last", "random"])
+def test_a_nan_moment_makes_its_block_scale_nan_never_a_finite_one(where, device, gen):
+    # No found_inf (the grads are finite): a NaN weight under L2 decay makes m and v NaN there. The
+    # block's scales must say so; decoding then gives NaN for the block instead of plausible numbers.
+    from conftest import inject_non_finite
+    n = 3 * BLOCK + 5
+    p = random_tensor(n, torch.float32, device, gen)
+    pos = inject_non_finite(p, where, math.nan, gen)
+    state = state_of([p], gen, device)
+    adam8([p], [random_tensor(n, torch.float32, device, gen)], state, **HYPER, adam_w_mode=False, weight_decay=0.1,
+          step=2)
+    for k in (1, 3):
+        scales = state[k][0].cpu()
+        assert bool(scales[pos // BLOCK].isnan()), f"scale list {k}: block of the NaN is {float(scales[pos // BLOCK])}"
+        others = torch.cat([scales[:pos // BLOCK], scales[pos // BLOCK + 1:]])
+        assert bool(torch.isfinite(others).all())
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["wide", "subnormal", "huge", "equal"])
 def test_cpu_and_cuda_quantize_to_the_same_bits(kind, gen):
