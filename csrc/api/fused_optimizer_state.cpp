@@ -66,6 +66,7 @@ at::Tensor FusedOptimizer::checked_state_tensor(const std::string& where, const 
 at::Tensor FusedOptimizer::checked_slot(const std::string& where, const std::string& key, const at::Tensor& value,
                                         const at::Tensor& param, const FusedOptions& options) const {
   // A master may be an int16 remainder of a bf16 param (master_remainder); the op steps either.
+  if (checks_own_slot(key, value)) return checked_state_tensor(where, key, value, param, options);
   const bool remainder = key == "master_param" && value.scalar_type() == at::kShort;
   MIXPREC_CHECK_TYPE(value.is_floating_point() || remainder, where, " must be a floating-point tensor, got ",
                      value.scalar_type());
@@ -183,7 +184,9 @@ void FusedOptimizer::load(torch::serialize::InputArchive& archive) {
         if (!t.defined()) continue;
         any = true;
         const std::string sw = where + ": state[" + std::to_string(k) + "]['" + slot.first + "']";
-        t = copy_in_layout_of(checked_slot(sw, slot.first, t, p, o), p);
+        const at::Tensor checked = checked_slot(sw, slot.first, t, p, o);
+        // Param-shaped state in the param's layout; other shapes (per-block scales) contiguous.
+        t = checked.sizes() == p.sizes() ? copy_in_layout_of(checked, p) : checked.to(p.device()).contiguous().clone();
       }
       MIXPREC_CHECK_VALUE(
           !any || !o.uses_master_weights() || p.scalar_type() == at::kFloat || s->master_param().defined(), where,

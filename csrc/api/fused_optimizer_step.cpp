@@ -136,8 +136,8 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
       }
       MIXPREC_CHECK_VALUE(t.device() == p.device(), state_where(name_, index, j, slot.first), " is on ",
                           t.device().str(), "; expected the parameter's ", p.device().str());
-      MIXPREC_CHECK_VALUE(same_layout(t, p), state_where(name_, index, j, slot.first), " has strides ",
-                          detail::shape(t.strides()), "; expected the parameter's layout, strides ",
+      MIXPREC_CHECK_VALUE(t.sizes() != p.sizes() || same_layout(t, p), state_where(name_, index, j, slot.first),
+                          " has strides ", detail::shape(t.strides()), "; expected the parameter's layout, strides ",
                           detail::shape(p.strides()));
     }
   }

@@ -1,6 +1,7 @@
 // Torch-free entry points of the fused Adam/AdamW step for CPU and CUDA: unscale, skip, moment
 // update, bias correction, weight decay (L2 or decoupled) and amsgrad in one pass, writing the fp32
-// master and the rounded model copy together when master weights are kept.
+// master and the rounded model copy together when master weights are kept. Moments are float32,
+// bfloat16, or 8-bit block-quantized codes (kernels/quant8.h) dequantized and requantized in the pass.
 #pragma once
 
 #include <math.h>
@@ -10,7 +11,9 @@
 
 namespace mixprec::kernels {
 
-// Lists of the group, always six (unused ones repeat the params list and are never touched).
+// Lists of the group, six (unused ones repeat the params list and are never touched); with 8-bit
+// moments eight: kAdamExpAvg/kAdamExpAvgSq then hold the int8/uint8 codes and the two scale lists
+// (float32, one per kQuantBlock elements: a chunk's scales start at begin / kQuantBlock) follow.
 enum AdamList : int {
   kAdamParam = 0,
   kAdamGrad,
@@ -18,7 +21,10 @@ enum AdamList : int {
   kAdamExpAvgSq,
   kAdamMaxExpAvgSq,
   kAdamMaster,
-  kAdamLists
+  kAdamLists,
+  kAdamExpAvgScale = kAdamLists,
+  kAdamExpAvgSqScale,
+  kAdamQ8Lists
 };
 
 struct AdamParams {
@@ -32,6 +38,7 @@ struct AdamParams {
   float log_beta1 = -0.105360516f;  // log(beta1): bias correction 1 - beta^t = -expm1(t * log(beta))
   float log_beta2 = -0.0010005003f;
   bool amsgrad = false;                         // list kAdamMaxExpAvgSq is live
+  bool quant8 = false;                          // 8-bit moments: kAdamQ8Lists lists (never with amsgrad)
   WeightMode weights{kAdamParam, kAdamMaster};  // where the weight lives (kernels/optim_common.h)
 };
 

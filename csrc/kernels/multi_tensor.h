@@ -28,8 +28,9 @@ constexpr int vector_elems(DType dtype) { return dtype == DType::kFloat32 ? 4 : 
 // iterations of 16-byte loads, and per-chunk partial results (norms) small.
 constexpr int64_t kChunkElems = 65536;
 
-// The most tensor lists (params, grads, states, master, ...) one op can stream through.
-constexpr int kMaxLists = 6;
+// The most tensor lists (params, grads, states, master, ...) one op can stream through: 8 for
+// Adam's 8-bit moments (their two scale lists); a launch's table holds NLists, not this.
+constexpr int kMaxLists = 8;
 
 // Pointers are taken as 32-byte aligned (the widest vector any kernel loads); tensors that are
 // not (views at odd offsets) take the element-wise path inside the same kernels.

@@ -244,6 +244,8 @@ def adam_(
     stochastic_rounding: bool = False,
     seed: int = 0,
     validate_only: bool = False,
+    exp_avg_scales: Sequence[torch.Tensor] = (),
+    exp_avg_sq_scales: Sequence[torch.Tensor] = (),
 ) -> None:
     """One fused Adam (``adam_w_mode=False``: L2 decay) or AdamW step over lists of tensors.
 
@@ -252,7 +254,10 @@ def adam_(
     receive the rounded result in the same pass. ``step_tensor`` (float32, one element) is
     incremented on the device unless ``found_inf`` is set and used for bias correction; without
     it the host ``step`` (counting this step) is used. amsgrad is on when ``max_exp_avg_sqs`` is
-    given. Moments are float32, or bfloat16 to save memory. An empty ``params`` (every other list
+    given. Moments are float32, or bfloat16 to save memory, or 8-bit: with ``exp_avg_scales`` and
+    ``exp_avg_sq_scales`` (float32, one per 256 elements of each param) ``exp_avgs`` are int8 and
+    ``exp_avg_sqs`` uint8 codes, dequantized, updated and requantized in the pass (no amsgrad;
+    the code map is in docs/optimizers.md). An empty ``params`` (every other list
     empty too) is a step over nothing: the hyper-parameters are checked, nothing is touched.
 
     Lean weights (every optimizer op): a ``master_params`` entry may instead be an int16
@@ -268,8 +273,9 @@ def adam_(
     caller stepping several param groups validates them all first, so a bad group refuses the
     whole step before any group is updated.
     """
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params = local_lists(
-        "adam_", (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params))
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales, exp_avg_sq_scales = (
+        local_lists("adam_", (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales,
+                              exp_avg_sq_scales)))
     _optim_step("adam", validate_only, locals())
 
 

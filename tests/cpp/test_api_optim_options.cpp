@@ -140,7 +140,7 @@ TEST(ApiOptimOptions, AnArchiveThatFailsToReadChangesNothing) {
       EXPECT_EQ(target.eps(), 1e-6);
     } else {
       target.serialize(in);  // read as it is; the family's range check refuses it
-      expect_c10_error([&] { target.check("where"); }, {"where: state_dtype must be float32 or bfloat16"});
+      expect_c10_error([&] { target.check("where"); }, {"where: state_dtype must be float32, bfloat16 or int8"});
     }
   }
 }

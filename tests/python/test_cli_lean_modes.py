@@ -39,7 +39,7 @@ def test_parsing_accepts_the_new_names_and_refuses_unknown_ones_with_the_list():
     # FP8 on a CPU is an emulation: not in the CPU default, in the GPU one.
     assert {"O2-bf16-rem", "O3-bf16-sr"} <= set(default_modes(CPU)) and "O2-bf16-fp8" not in default_modes(CPU)
     assert set(LEAN) <= set(default_modes(CUDA))
-    with pytest.raises(ValueError, match=r"unknown mode 'O2-bf16-fp4' \(known: .*O2-bf16-rem, O3-bf16-sr, "
+    with pytest.raises(ValueError, match=r"unknown mode 'O2-bf16-fp4' \(known: .*O2-bf16-rem, O2-bf16-rem-q8, O3-bf16-sr, "
                                          r"O2-bf16-fp8, .*all, default\)"):
         parse_modes("O2-bf16-fp4", CPU)
 

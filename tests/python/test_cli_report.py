@@ -113,8 +113,8 @@ def test_mode_parsing():
     assert names[0] == "O0" and {"O1-fp16", "O1-bf16", "O2-fp16", "O2-bf16", "O3-fp16", "O3-bf16"} <= set(names)
     assert {"torch-fp16", "torch-bf16"} <= set(names)
     assert default_modes(cuda) == names
-    assert default_modes(cpu) == ["O0", "O1-bf16", "O2-bf16", "O3-bf16", "O2-bf16-rem", "O3-bf16-sr",
-                                  "torch-bf16"]
+    assert default_modes(cpu) == ["O0", "O1-bf16", "O2-bf16", "O3-bf16", "O2-bf16-rem", "O2-bf16-rem-q8",
+                                  "O3-bf16-sr", "torch-bf16"]
     assert [m.name for m in parse_modes("o2", cpu)] == ["O0", "O2-fp16", "O2-bf16"]
     assert [(m.name, m.opt_level, m.dtype) for m in parse_modes("torch", cpu)] == [
         ("O0", "O0", torch.float32), ("torch-fp16", "torch.amp", torch.float16),

@@ -36,7 +36,8 @@ def bools(*names):
 
 
 EXPECTED = {
-    "adam": lists("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params") + STEP_HEAD
+    "adam": lists("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params", "exp_avg_scales",
+                  "exp_avg_sq_scales") + STEP_HEAD
     + floats("beta1", "beta2", "eps", "weight_decay") + bools("adam_w_mode", "bias_correction", "maximize")
     + ROUNDING + STEP_TAIL,
     "sgd": lists("params", "grads", "momentum_buffers", "master_params") + STEP_HEAD

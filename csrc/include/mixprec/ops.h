@@ -242,11 +242,15 @@ void call_optim(const c10::OperatorHandle& op, std::initializer_list<c10::IValue
 }
 }  // namespace detail
 
-// amsgrad when max_exp_avg_sqs is non-empty; fp32 master weights when master_params is non-empty.
+// amsgrad when max_exp_avg_sqs is non-empty; fp32 master weights when master_params is non-empty;
+// 8-bit moments (exp_avgs int8, exp_avg_sqs uint8 codes) when the two scale lists are non-empty.
 inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                  at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a, const StepArgs& s) {
+                  at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a, const StepArgs& s,
+                  at::TensorList exp_avg_scales = {}, at::TensorList exp_avg_sq_scales = {}) {
   static const c10::OperatorHandle op = detail::find_op("mixprec::adam_");
-  detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params}, a, s);
+  detail::call_optim(
+      op, {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales, exp_avg_sq_scales}, a,
+      s);
 }
 
 // momentum_buffers is empty iff momentum == 0.

@@ -81,9 +81,12 @@
 // same step scalars (step_tensor; then keyword-only lr, the family's field list, step, lr_tensor,
 // grad_scale, found_inf; mixprec::StepArgs in mixprec/ops.h), then its optional extra tensors:
 // X(name, alias), alias "" for one only read.
+// Adam's last two lists, empty unless its moments are 8-bit: the float32 scales of exp_avgs' int8
+// and exp_avg_sqs' uint8 codes, one per 256 elements (kernels/quant8.h).
 #define MIXPREC_ADAM_TENSORS(X)                                                               \
   X(LIST, params, "a!") X(LIST, grads, "g!") X(LIST, exp_avgs, "b!") X(LIST, exp_avg_sqs, "c!") \
-  X(LIST, max_exp_avg_sqs, "d!") X(LIST, master_params, "e!")
+  X(LIST, max_exp_avg_sqs, "d!") X(LIST, master_params, "e!") X(LIST, exp_avg_scales, "f!")       \
+  X(LIST, exp_avg_sq_scales, "h!")
 #define MIXPREC_ADAM_EXTRAS(X)
 
 #define MIXPREC_SGD_TENSORS(X) \

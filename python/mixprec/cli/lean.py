@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..optimizers import FusedOptimizer
+from ..optimizers import FusedAdam, FusedOptimizer
 from .modes import Mode
 from .task import Task
 
@@ -33,9 +33,16 @@ def lean_options(mode: Mode, task: Task, device: torch.device, seed: int) -> dic
     if not mode.variant:
         return {}
     if not isinstance(task.optimizer, FusedOptimizer):
-        option = "master_weights='remainder'" if mode.variant == "rem" else "rounding='stochastic'"
+        option = "master_weights='remainder'" if mode.variant.startswith("rem") else "rounding='stochastic'"
         raise ModeSkipped(f"{option} is an option of mixprec's fused optimizers; this task's optimizer is "
                           f"{type(task.optimizer).__name__}")
+    if mode.variant == "rem-q8":
+        if not isinstance(task.optimizer, FusedAdam):
+            raise ModeSkipped(f"state_dtype=torch.int8 (8-bit moments) is an option of mixprec's FusedAdam; this "
+                              f"task's optimizer is {type(task.optimizer).__name__}")
+        # Before the first step: no moments exist yet, so they are made 8-bit from the start.
+        task.optimizer.state_dtype = torch.int8
+        return {"master_weights": "remainder"}
     if mode.variant == "rem":
         return {"master_weights": "remainder"}
     for group in task.optimizer.param_groups:  # pure bf16 (O3 keeps no masters), rounded stochastically
@@ -46,7 +53,9 @@ def lean_options(mode: Mode, task: Task, device: torch.device, seed: int) -> dic
 def state_bytes(optimizer: Any) -> tuple[Optional[float], Optional[float]]:
     """(all optimizer state, master weights alone) in bytes per parameter, counted from the
     tensors the optimizer keeps (element size x count: exact). The master is ``master_param``
-    (fp32) or ``master_remainder`` (int16). None when there are no parameters or no state."""
+    (fp32) or ``master_remainder`` (int16). 8-bit Adam moments count their codes (1 + 1 bytes)
+    and their float32 scales (8 bytes per 256 elements, more on tensors that end in a partial
+    block). None when there are no parameters or no state."""
     params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
     n = sum(p.numel() for p in params)
     state = getattr(optimizer, "state", {})

@@ -1,8 +1,8 @@
 """Precision modes `mixprec compare` knows: every amp opt level in float16 and in bfloat16 (O0
 is plain fp32), named like ``O2-bf16``, and the torch.amp baselines ``torch-fp16``/``torch-bf16``
-that answer "should I switch"; new opt levels in mixprec.amp appear here by themselves. Three lean
+that answer "should I switch"; new opt levels in mixprec.amp appear here by themselves. Four lean
 variants of the bf16 levels follow them (VARIANTS): ``O2-bf16-rem`` (int16 remainders for
-fp32 masters), ``O3-bf16-sr`` (pure bf16, stochastic rounding) and ``O2-bf16-fp8``."""
+fp32 masters), ``O2-bf16-rem-q8`` (and 8-bit Adam moments), ``O3-bf16-sr`` (pure bf16, stochastic rounding) and ``O2-bf16-fp8``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ class Mode:
 VARIANTS = {
     # "rem", not "remainder": the table is 100 columns at most and the mode column is its widest.
     "rem": ("O2", "master_weights='remainder': a bf16 weight plus an int16 remainder, not an fp32 master"),
+    "rem-q8": ("O2", "O2-bf16-rem with FusedAdam's state_dtype=torch.int8: 8-bit block-quantized moments"),
     "sr": ("O3", "pure bf16 weights (no masters), the fused optimizer's rounding='stochastic'"),
     "fp8": ("O2", "fp8=True: the eligible nn.Linears in FP8 (emulated on a CPU)"),
 }

@@ -57,8 +57,10 @@ def pair(betas: Any) -> Any:
     return tuple(betas) if isinstance(betas, (list, tuple)) else betas
 
 
-# FusedAdam's moments: float32, or bfloat16 to halve their memory. Identity, not ==: a dtype only.
-STATE_DTYPE = Rule(lambda x: x is torch.float32 or x is torch.bfloat16, "torch.float32 or torch.bfloat16")
+# FusedAdam's moments: float32, bfloat16 to halve their memory, or torch.int8 for 8-bit
+# block-quantized ones (a quarter; see fused_adam.py). Identity, not ==: a dtype only.
+STATE_DTYPE = Rule(lambda x: x is torch.float32 or x is torch.bfloat16 or x is torch.int8,
+                   "torch.float32, torch.bfloat16 or torch.int8 (8-bit block-quantized moments)")
 
 # int 0/1 too: Apex's own examples pass bias_correction=1.
 FLAG = Rule(lambda x: isinstance(x, (bool, int)) and x in (0, 1), "True or False")

@@ -5,8 +5,45 @@ from __future__ import annotations
 import torch
 
 from .. import _ops
+from . import _quant8
 from ._base import FusedOptimizer, GroupOption
-from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, STATE_DTYPE, pair
+from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, STATE_DTYPE, GroupRule, pair
+
+# state_dtype=torch.int8: 8-bit block-quantized moments (exp_avg as int8 codes, sqrt(exp_avg_sq)
+# as uint8 codes, a float32 scale per 256 elements; docs/optimizers.md). torch.int8 names the mode
+# by its codes' dtype, as torch.bfloat16 names its mode, and the C++ front's c10::ScalarType
+# option spells it too (c10::kChar).
+NO_8BIT_AMSGRAD = GroupRule(("amsgrad", "state_dtype"), lambda amsgrad, dtype: not (amsgrad and dtype is torch.int8),
+                            "amsgrad=False with state_dtype=torch.int8 (8-bit moments keep no amsgrad maximum)")
+
+
+def convert_moments(state: dict, p: torch.Tensor, dtype: torch.dtype) -> None:
+    """A param's moments into `dtype` in place (quantized for torch.int8, dequantized from it):
+    what loading into a group, or setting its state_dtype, does to 8-bit moments."""
+    if "exp_avg" not in state:
+        return
+    if dtype is torch.int8:
+        if not _quant8.is_quantized(state):
+            state.update(_quant8.quantize(state["exp_avg"], state["exp_avg_sq"], p))
+    elif _quant8.is_quantized(state):
+        m, v = _quant8.dequantize(state)
+        for key in _quant8.SCALE_KEYS:
+            del state[key]
+        state["exp_avg"], state["exp_avg_sq"] = m.to(dtype), v.to(dtype)
+
+
+class _AdamStateDtype(GroupOption):
+    """``optimizer.state_dtype = ...``: as GroupOption, and moments already made move into or out
+    of the 8-bit form at once (float32 and bfloat16 moments stay as they are until a reload, as before)."""
+
+    def __set__(self, opt, value):
+        for i, group in enumerate(opt.param_groups):  # rules across options (amsgrad) see each group's
+            opt._check_group(dict(group, state_dtype=value), f"setting state_dtype: param group {i}")
+        super().__set__(opt, value)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p in opt.state:
+                    convert_moments(opt.state[p], p, value)
 
 
 class FusedAdam(FusedOptimizer):
@@ -15,11 +52,16 @@ class FusedAdam(FusedOptimizer):
     ``adam_w_mode=True`` (the default, as in Apex) decays weights decoupled (AdamW); False adds
     the L2 term to the gradient (Adam). ``master_weights=True`` keeps fp32 masters of fp16/bf16
     params, updated together with the model copy. ``state_dtype=torch.bfloat16`` stores the
-    moments in bfloat16 (a mixprec extension; halves their memory). Both are group options: the
+    moments in bfloat16 (a mixprec extension; halves their memory); ``state_dtype=torch.int8``
+    stores them 8-bit block-quantized (2 bytes per param plus a float32 scale per 256 elements per
+    moment, a quarter of fp32's; no amsgrad; code map and error bound in docs/optimizers.md),
+    dequantized, updated and requantized inside the one fused pass. Both are group options: the
     constructor's value is the default and a param group may name its own (``optimizer.state_dtype``
     reads and sets it for every group, see ``GroupOption``); a group's moments are made in its
     ``state_dtype`` and loaded into it (as the C++ front does); a checkpoint from before it was a
-    group option gives each group the dtype its moments were saved in. ``amsgrad`` is supported
+    group option gives each group the dtype its moments were saved in. Loading restores each
+    group's saved ``state_dtype`` like its other options; to change it afterwards, set
+    ``optimizer.state_dtype``, which quantizes or dequantizes 8-bit moments at once. ``amsgrad`` is supported
     (Apex raised). ``capturable`` is accepted for Apex compatibility: every step already runs
     without host synchronization.
 
@@ -34,12 +76,13 @@ class FusedAdam(FusedOptimizer):
     _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
                     "amsgrad": FLAG, "adam_w_mode": FLAG, "bias_correction": FLAG, "maximize": FLAG,
                     "state_dtype": STATE_DTYPE}
+    _group_rules = (NO_8BIT_AMSGRAD,)
     _state_rules = {"exp_avg": MOMENT, "exp_avg_sq": SQUARES, "max_exp_avg_sq": SQUARES}
     _required_state = ("exp_avg", "exp_avg_sq")
     _state_dtypes = (torch.float32, torch.bfloat16)
     _convert_foreign_state = False  # the moments' dtype is a choice (state_dtype): never changed silently
     _group_attributes = ("master_weights", "state_dtype")
-    state_dtype = GroupOption()
+    state_dtype = _AdamStateDtype()
 
     def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
                  weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False,
@@ -50,6 +93,9 @@ class FusedAdam(FusedOptimizer):
                          capturable=capturable)
 
     def _init_state(self, p, group, state):
+        if group["state_dtype"] is torch.int8:
+            state.update(_quant8.zeros(p))
+            return
         # In the parameter's layout (preserve_format): the op walks an entry's tensors in one order.
         zeros = lambda: torch.zeros_like(p, dtype=group["state_dtype"], memory_format=torch.preserve_format)
         state["exp_avg"] = zeros()
@@ -59,6 +105,10 @@ class FusedAdam(FusedOptimizer):
 
     def _step_group(self, group, params, *, step_tensor, lr, lr_tensor, grad_scale, found_inf, validate_only=False):
         beta1, beta2 = group["betas"]
+        scales = {}
+        if group["state_dtype"] is torch.int8:
+            scales = dict(exp_avg_scales=self._states(params, "exp_avg_scale"),
+                          exp_avg_sq_scales=self._states(params, "exp_avg_sq_scale"))
         if group["amsgrad"]:
             for p in params:  # a group switched to amsgrad after its first step
                 self.state[p].setdefault("max_exp_avg_sq", self.state[p]["exp_avg_sq"].clone())
@@ -68,7 +118,7 @@ class FusedAdam(FusedOptimizer):
             adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], maximize=group["maximize"],
             max_exp_avg_sqs=self._states(params, "max_exp_avg_sq") if group["amsgrad"] else (),
             **self._weight_args(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
-            grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only,
+            grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only, **scales,
         )
 
     def load_state_dict(self, state_dict):
@@ -89,9 +139,25 @@ class FusedAdam(FusedOptimizer):
         super().load_state_dict(state_dict)
 
     def _validated_param_state(self, pid, p, saved_state, group):
+        # Saved 8-bit moments are checked, then go through float32 like any other moments: the
+        # base class validates those, and they come out in the group's state_dtype (requantizing
+        # a dequantized 8-bit state gives back its codes).
+        if isinstance(saved_state, dict) and _quant8.is_quantized(saved_state):
+            where = f"{type(self).__name__}.load_state_dict: state[{pid}]"
+            _quant8.check_saved(saved_state, p, where)
+            m, v = _quant8.dequantize(saved_state)
+            saved_state = {k: x for k, x in saved_state.items() if k not in _quant8.SCALE_KEYS}
+            saved_state.update(exp_avg=m, exp_avg_sq=v)
         out = super()._validated_param_state(pid, p, saved_state, group)
         # The group's state_dtype says what its moments are (the op wants one dtype per param).
+        dtype = group["state_dtype"]
+        if dtype is torch.int8:
+            if "max_exp_avg_sq" in out:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: state[{pid}] has 'max_exp_avg_sq' but its "
+                                 "group has state_dtype=torch.int8; 8-bit moments keep no amsgrad maximum")
+            convert_moments(out, p, dtype)
+            return out
         for key in self._state_rules:
-            if key in out and out[key].dtype != group["state_dtype"]:
-                out[key] = out[key].to(group["state_dtype"])
+            if key in out and out[key].dtype != dtype:
+                out[key] = out[key].to(dtype)
         return out

@@ -6,8 +6,9 @@
 
 namespace mixprec::optim {
 
-// Options of FusedAdam beyond mixprec::adam_'s hyper-parameters. state_dtype: moments in float32
-// or bfloat16 (halves their memory; a mixprec extension).
+// Options of FusedAdam beyond mixprec::adam_'s hyper-parameters. state_dtype: moments in float32,
+// bfloat16 (halves their memory) or c10::kChar (int8: 8-bit block-quantized moments, a quarter
+// of float32's, no amsgrad; docs/optimizers.md) -- mixprec extensions, as in the Python front.
 #define MIXPREC_FUSED_ADAM_OWN_OPTIONS(X) \
   X(double, lr, 1e-3)                     \
   X(bool, amsgrad, false)                 \
@@ -30,8 +31,9 @@ struct MIXPREC_API FusedAdamWOptions : public FusedAdamOptions {
   FusedAdamWOptions(double lr = 1e-3);  // NOLINT
 };
 
-// Adam's moments (in state_dtype); max_exp_avg_sq with amsgrad only.
-#define MIXPREC_FUSED_ADAM_STATE(X) X(exp_avg) X(exp_avg_sq) X(max_exp_avg_sq)
+// Adam's moments (in state_dtype); max_exp_avg_sq with amsgrad only. With 8-bit moments exp_avg
+// holds int8 and exp_avg_sq uint8 codes, and the scales one float32 per 256 elements each.
+#define MIXPREC_FUSED_ADAM_STATE(X) X(exp_avg) X(exp_avg_sq) X(max_exp_avg_sq) X(exp_avg_scale) X(exp_avg_sq_scale)
 MIXPREC_FUSED_PARAM_STATE(FusedAdamParamState, MIXPREC_FUSED_ADAM_STATE);
 
 class MIXPREC_API FusedAdam : public FusedOptimizerOf<FusedAdamOptions, FusedAdamParamState> {
@@ -44,6 +46,7 @@ class MIXPREC_API FusedAdam : public FusedOptimizerOf<FusedAdamOptions, FusedAda
   const FusedOptions* cast_options(const torch::optim::OptimizerOptions& o) const override;
   at::Tensor checked_state_tensor(const std::string& where, const std::string& key, const at::Tensor& value,
                                   const at::Tensor& param, const FusedOptions& options) const override;
+  bool checks_own_slot(const std::string& key, const at::Tensor& value) const override;
 
   bool decoupled_only_ = false;  // FusedAdamW: every group must have adam_w_mode
 };

@@ -167,6 +167,9 @@ class MIXPREC_API FusedOptimizer : public torch::optim::Optimizer {
   // Checks a loaded state tensor beyond shape (dtype rules of the family); may convert it.
   virtual at::Tensor checked_state_tensor(const std::string& where, const std::string& key, const at::Tensor& value,
                                           const at::Tensor& param, const FusedOptions& options) const;
+  // Whether slot `key` holding `value` is checked by checked_state_tensor alone, not shaped like
+  // the param or not floating point (FusedAdam's 8-bit codes and their per-block scales).
+  virtual bool checks_own_slot(const std::string& key, const at::Tensor& value) const { return false; }
   // Checks a loaded group tensor other than "step" (NovoGrad's exp_avg_sq); returns it converted.
   virtual at::Tensor checked_group_tensor(const std::string& where, const std::string& key, const at::Tensor& value,
                                           const torch::optim::OptimizerParamGroup& group) const;
