@@ -38,6 +38,9 @@ LONG_RUN_VARIANTS = "fp32,torch-fp16,mixprec-o2-fp16,mixprec-o2-bf16,mixprec-o2-
 SPEED_BARS = tuple((size, name + suffix, need) for size, name, need in (
     ("large", "mixprec-o2-fp16", 1.25), ("small", "mixprec-o2-fp16", 1.15), ("large", "mixprec-o2-bf16", 1.20))
     for suffix in ("", "-xent"))  # O2 as is, and with mixprec's fused loss
+#: Issue 24's lean-O2 bars (H200, GPT-2 large): (variant, peak memory ratio to torch-bf16 at most);
+#: each must also step no slower than mixprec-o2-bf16 (fp32 masters and moments).
+LEAN_MEMORY_BARS = (("mixprec-o2-bf16-rem-bf16m", 0.75), ("mixprec-o2-bf16-rem-q8", 0.65))
 LOSS_BAR_PCT, LONG_LOSS_BAR_PCT = 1.0, 0.5
 #: A run is steady when its median step is within this factor of its fastest one. A GPU-bound loop
 #: is (its steps differ by well under 1%); a run whose host stalls for seconds is not (H200, large:
@@ -196,6 +199,16 @@ def bars(rows: list[dict], long_run: bool) -> list[str]:
             out.append(f"{verdict(r['vs_peer'] >= need) if steady else 'UNSTEADY'} {size} {name}: "
                        f"{r['vs_peer']:.3f}x {r['peer']} tokens/s (bar {need}x)"
                        + ("" if steady else f"; not judged: a run's median was over {STEADY_RATIO}x its min"))
+    for name, need in LEAN_MEMORY_BARS:
+        r, o2 = ok.get(("large", name)), ok.get(("large", "mixprec-o2-bf16"))
+        if r is not None and "mem_vs_peer" in r:
+            out.append(f"{verdict(r['mem_vs_peer'] <= need)} large {name}: peak {r['peak_GiB']:.2f} GiB, "
+                       f"{r['mem_vs_peer']:.3f}x {r['peer']} (issue 24 bar {need}x)")
+        if r is not None and o2 is not None:
+            steady = r.get("steady", True) and o2.get("steady", True)
+            speed = o2["ms"] / r["ms"]
+            out.append(f"{verdict(speed >= 1.0) if steady else 'UNSTEADY'} large {name}: {speed:.3f}x "
+                       f"mixprec-o2-bf16's tokens/s (issue 24 bar: no slower, 1.0x)")
     for (size, name), r in sorted(ok.items()):
         if not name.startswith("mixprec-o2"):
             continue

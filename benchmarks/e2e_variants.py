@@ -120,14 +120,15 @@ class AmpTrainer(Trainer):
     dtype and FusedAdam keeps the fp32 masters, updating both in one kernel."""
 
     def __init__(self, model, device, optimizer, opt_level: str, dtype: torch.dtype,
-                 layer_kernels: Optional[bool] = None):
+                 layer_kernels: Optional[bool] = None, **amp_options):
         from mixprec import amp
 
         self.amp = amp
         # The model's own forward casts (O1 autocast, O2 input/output casts) are amp's, not ours;
-        # so are its layer kernels (on by default where the model is cast).
+        # so are its layer kernels (on by default where the model is cast). amp_options: more of
+        # initialize's keywords (the lean variants' master_weights="remainder").
         model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0,
-                                          layer_kernels=layer_kernels)
+                                          layer_kernels=layer_kernels, **amp_options)
         super().__init__(model, None, device)
         self.optimizer = optimizer
 
@@ -231,10 +232,12 @@ def torch_adamw(model, h: Hyper):
     return torch.optim.AdamW(param_groups(model, h.weight_decay), lr=h.lr, betas=h.betas, eps=h.eps, fused=True)
 
 
-def fused_adam(model, h: Hyper):
+def fused_adam(model, h: Hyper, **options):
+    """mixprec's FusedAdam as AdamW; options: its keywords beyond torch's (state_dtype, rounding, seed)."""
     from mixprec.optimizers import FusedAdam
 
-    return FusedAdam(param_groups(model, h.weight_decay), lr=h.lr, betas=h.betas, eps=h.eps, adam_w_mode=True)
+    return FusedAdam(param_groups(model, h.weight_decay), lr=h.lr, betas=h.betas, eps=h.eps, adam_w_mode=True,
+                     **options)
 
 
 def torch_scaler(device):
@@ -268,6 +271,19 @@ def _amp(level: str, dtype: str, fused_loss: bool = False, layer_kernels: Option
     def make(model, device, h):
         model.fused_loss = fused_loss
         return AmpTrainer(model, device, fused_adam(model, h), level, DTYPES[dtype], layer_kernels)
+    return make
+
+
+def _lean(level: str, state_dtype: torch.dtype = torch.float32, **amp_options):
+    """bf16 at ``level`` with a lean optimizer state (issue 24, docs/optimizers.md): the moments in
+    ``state_dtype`` (float32, bfloat16, or int8 for 8-bit block-quantized moments), and amp's
+    ``master_weights="remainder"`` or FusedAdam's stochastic rounding through ``amp_options``."""
+    rounding = amp_options.pop("rounding", None)
+
+    def make(model, device, h):
+        extra = {"rounding": rounding, "seed": 1234} if rounding else {}
+        return AmpTrainer(model, device, fused_adam(model, h, state_dtype=state_dtype, **extra), level,
+                          torch.bfloat16, **amp_options)
     return make
 
 
@@ -310,4 +326,14 @@ VARIANTS = {v.name: v for v in (
             _autocast("fp16", fused_adam, mixprec_scaler)),
     Variant("mixprec-adam-bf16", "bf16", "torch-bf16", "torch.autocast bf16 + mixprec FusedAdam",
             _autocast("bf16", fused_adam)),
+    # Issue 24's lean O2 (optimizer state bytes per param, FusedAdam: O2 fp32 masters + fp32 moments 12).
+    Variant("mixprec-o2-bf16-rem", "bf16", "torch-bf16", "mixprec-o2-bf16 with remainder masters (bf16 weight + "
+            "int16 remainder, bit-exact fp32 masters; 10 bytes/param of state)",
+            _lean("O2", master_weights="remainder")),
+    Variant("mixprec-o2-bf16-rem-bf16m", "bf16", "torch-bf16", "mixprec-o2-bf16-rem with bf16 moments (6 bytes/param "
+            "of state)", _lean("O2", torch.bfloat16, master_weights="remainder")),
+    Variant("mixprec-o2-bf16-rem-q8", "bf16", "torch-bf16", "mixprec-o2-bf16-rem with 8-bit block-quantized moments "
+            "(about 4 bytes/param of state)", _lean("O2", torch.int8, master_weights="remainder")),
+    Variant("mixprec-o3-bf16-sr", "bf16", "torch-bf16", "mixprec amp O3 bf16 (no masters), FusedAdam rounding the "
+            "weights stochastically (8 bytes/param of state)", _lean("O3", rounding="stochastic")),
 )}
