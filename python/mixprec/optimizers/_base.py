@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .._dtensor import dtensor_type
-from . import _lean
+from . import _held, _lean
 from ._rules import LR, MOMENT, check_group, check_state_values, step_count
 from ._step_cache import HyperCache, StepLists, checked_params, gather, regular_params
 
@@ -180,6 +180,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                 + (". Apex's old step(grads=..., scale=...) API is gone: initialize the optimizer like "
                    "torch.optim's and call step() with no arguments" if bad else "")
             )
+        # Left by mixprec.GradScaler when it leaves its inf check to this step (_held.checks_in_step):
+        # the check goes with the held steps' call, into self.found_inf with self.grad_scale as the
+        # scale; else this, the scaler's own check, gives the found_inf to use.
+        pending = self.__dict__.pop("_found_inf_pending", None)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -187,6 +191,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         hyper, lists = self._step_caches()
+        held = _held.HeldSteps.current(self)
+        if held is not None:
+            for index, group in enumerate(self.param_groups):
+                hyper.check(type(self).__name__, self._rules, self._all_group_rules(), group, index)
+            if held.run(self, grad_scale, found_inf, _device_scalar, check_inf=pending is not None):
+                return loss
+        if pending is not None:  # the scaler's own check, before anything of the step is refused
+            found_inf = pending()
+        self.__dict__.pop("_held", None)  # made anew by the fully checked step, if it can be
         plan = []
         for index, group in enumerate(self.param_groups):  # every group is checked before any steps
             hyper.check(type(self).__name__, self._rules, self._all_group_rules(), group, index)
@@ -220,6 +233,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         fresh: list[torch.Tensor] = []
         groups_before = [dict(group) for group, _, _ in plan]
         calls = []
+        recorder = _held.Recorder()
         try:
             for group, params, device in plan:
                 # One lookup per param (each hashes the tensor in Python); the subclasses' _states and
@@ -241,7 +255,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._step_group(group, params, validate_only=True, **scalars)
             group, params, scalars = calls[0] if calls else (None, None, None)
             if calls:
-                self._step_group(group, params, **scalars)  # its op checks before it writes
+                with recorder:
+                    recorder.start_group()
+                    self._step_group(group, params, **scalars)  # its op checks before it writes
         except BaseException:
             for p in fresh:
                 self.state.pop(p, None)
@@ -249,9 +265,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 group.clear()  # keys made for this step (a step tensor, NovoGrad's norms) go again
                 group.update(saved)
             raise
-        for group, params, scalars in calls[1:]:
-            self._step_group(group, params, **scalars)
+        with recorder:
+            for group, params, scalars in calls[1:]:
+                recorder.start_group()
+                self._step_group(group, params, **scalars)
         _lean.settle(self, [(group, params) for group, params, _ in calls])
+        held = _held.build(self, calls, recorder)
+        if held is not None:
+            self.__dict__["_held"] = held
         return loss
 
     # -- helpers for subclasses --------------------------------------------------------------
@@ -265,6 +286,18 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
         raise NotImplementedError
+
+    # Names of the op's optional tensor arguments that a family makes anew for every step (FusedLAMB's
+    # global gradient norm), which a held step takes from _held_extras(group, device), in this order.
+    _held_per_step: tuple[str, ...] = ()
+
+    def _held_extras(self, group: dict, device: torch.device) -> tuple:
+        return ()
+
+    def _held_check_in_step(self) -> bool:
+        """Whether step() is this class's own, unpatched and hook-free (mixprec.GradScaler then
+        leaves its inf check to it: see _held.checks_in_step)."""
+        return _held.checks_in_step(self)
 
     def _step_group(self, group: dict, params: list[torch.Tensor], *, validate_only: bool = False, **scalars) -> None:
         """One op call over the group's params with gradients; ``validate_only``: the op's check
@@ -304,6 +337,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state_dict made by ``state_dict()``, validating all of it before changing anything."""
         name = type(self).__name__
+        # The held steps keep the old state alive (a second copy of every moment) until the next step.
+        self.__dict__.pop("_held", None)
         if (not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict)
                 or "param_groups" not in state_dict):
             raise ValueError(f"{name}.load_state_dict: expected a dict with 'state' (a dict) and 'param_groups'")
