@@ -356,7 +356,7 @@ class GradScaler(ScalerStateFront):
             if optimizer_state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
             scale = self._get_scale_async()
-            found = self._found_for_step(optimizer_state, scale)
+            found = checks.found_for_step(optimizer_state["found_inf_per_device"], scale)
             if optimizer_state["stage"] is OptState.UNSCALED:
                 optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
             else:
@@ -381,33 +381,17 @@ class GradScaler(ScalerStateFront):
         return retval
 
     def _check_in_step(self, optimizer, optimizer_state: dict[str, Any], args, kwargs) -> bool:
-        """Whether ``optimizer.step()`` can make this step's inf check itself: a mixprec
-        FusedOptimizer's own step, unpatched and without hooks, called with no arguments, no preset
-        grad_scale, no found_inf to agree on across ranks (that needs a collective between the
-        check and the update), and this scaler's check hooks not overridden."""
-        check = getattr(optimizer, "_held_check_in_step", None)
-        cls = type(self)
         # A subclass overriding torch's check hooks gets them called, as ever.
+        cls = type(self)
         own_hooks = (cls._unscale_grads_ is GradScaler._unscale_grads_
                      and cls._check_inf_per_device is GradScaler._check_inf_per_device)
-        return (optimizer_state["stage"] is OptState.READY and check is not None and own_hooks and not args and not kwargs
-                and getattr(optimizer, "grad_scale", None) is None and _dist.reduction_group(self._process_group) is None
-                and check())
-
-    def _found_for_step(self, optimizer_state: dict[str, Any], scale: torch.Tensor) -> torch.Tensor:
-        """The found_inf handed to a fused optimizer: this iteration's checks combined."""
-        per_device = optimizer_state["found_inf_per_device"]
-        if not per_device:  # no gradient at all (an idle or frozen sub-model): torch steps with found_inf 0
-            return torch.zeros((), dtype=torch.float32, device=scale.device)
-        found = combine_found(per_device.values(), scale.device)
-        if any(found is f for f in per_device.values()):
-            found = found.clone()  # the optimizer's own, as torch's sum is: update() reads ours
-        return found
+        return own_hooks and optimizer_state["stage"] is OptState.READY and checks.step_checks_inf(
+            optimizer, args, kwargs, self._process_group)
 
     def _checked_found(self, optimizer, optimizer_state: dict[str, Any], scale: torch.Tensor) -> torch.Tensor:
         """The scaler's own inf check, for a step that could not make it from held grads."""
         self._check_inf_per_device(optimizer)
-        return self._found_for_step(optimizer_state, scale)
+        return checks.found_for_step(optimizer_state["found_inf_per_device"], scale)
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:

@@ -276,3 +276,90 @@ def test_op_sees_tensor_changed_in_place_between_calls(how, device, gen):
         step(params, grads, avgs, sqs)
     for b, a in zip(before, params + avgs + sqs):
         assert_bitwise_equal(a, b, "a refused call wrote")
+
+
+# -- mixprec.GradScaler's check in the held call -------------------------------------------------
+
+def two_groups(family, dtype, gen, device):
+    params = [torch.nn.Parameter(random_tensor(s, dtype, device, gen)) for s in SHAPES]
+    opt = FAMILIES[family](params[:3], master_weights=dtype != torch.float32)
+    opt.add_param_group({"params": params[3:], "lr": 3e-3})
+    return opt
+
+
+def scaler_twins(build, device, seed, steps, before_step):
+    """The same scaler training with the check in the held call and with the scaler's own check
+    before fully checked steps; `before_step(i, opt, scaler)` edits both alike. Returns both logs
+    and how many times each scaler ran its own check."""
+    logs, own_checks = [], []
+    for held in (True, False):
+        opt = build(torch.Generator().manual_seed(seed))
+        scaler = mixprec.GradScaler(torch.device(device).type, init_scale=2.0**3, growth_interval=2, sync_skip=False)
+        scaler.scale(torch.ones((), device=device))
+        checks = [0]
+        real = scaler._unscale_grads_
+
+        def counting(*args, real=real, checks=checks):
+            checks[0] += 1
+            return real(*args)
+        scaler._unscale_grads_ = counting  # an instance attribute: the class's hooks stay mixprec's
+        if not held:
+            scaler._check_in_step = lambda *args: False
+        log = []
+        for i in range(steps):
+            if not held:
+                without_held(opt)
+            set_grads(opt, torch.Generator().manual_seed(seed + i))
+            before_step(i, opt, scaler)
+            scaler.step(opt)
+            scaler.update()
+            log.append([(n, t.detach().clone()) for n, t in tensors_of(opt) if not n.endswith(".grad")]
+                       + [("scale", scaler._scale.clone()), ("tracker", scaler._growth_tracker.clone())])
+        logs.append(log)
+        own_checks.append(checks[0])
+    return logs, own_checks
+
+
+@pytest.mark.parametrize("value", [0.0, math.inf, math.nan, 2.0**-140, -1.0], ids=str)
+def test_held_scaler_step_flags_an_unusable_scale(value, device, seed):
+    def edit(i, opt, scaler):
+        if i == 3:
+            scaler._scale.fill_(value)  # a hand edit: no unscale can follow
+
+    (a, b), checks = scaler_twins(lambda g: make("adam", torch.float16, g, device), device, seed, 5, edit)
+    assert_same_logs(a, b)
+    assert checks[0] <= 1 and checks[1] == 5  # the held route checked in C++ after the first step
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_held_scaler_step_two_groups_and_a_missing_grad(family, device, seed):
+    def edit(i, opt, scaler):
+        ps = params_of(opt)
+        if i in (2, 5):
+            ps[4].grad.view(-1)[1] = math.inf  # in the second group
+        if i == 4:
+            ps[1].grad = None  # the held call cannot take it: the scaler's own check, the full path
+
+    (a, b), checks = scaler_twins(lambda g: two_groups(family, torch.float16, g, device), device, seed, 7, edit)
+    assert_same_logs(a, b)
+    # FusedLAMB's own step() (its global norm) keeps the scaler's check before it.
+    assert checks[1] == 7 and (checks[0] < 7 or family == "lamb")
+
+
+def test_held_scaler_step_leaves_the_check_to_the_scaler_around_hooks(seed):
+    """A step pre-hook (which may edit the grads) runs after the scaler's check, as with torch."""
+    seen = []
+    opt = make("adam", torch.float32, torch.Generator().manual_seed(seed))
+    scaler = mixprec.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    assert scaler._check_in_step(opt, {"stage": scaler._opt_state(opt)["stage"]}, (), {})
+    handle = opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(float(o.found_inf)))
+    assert not scaler._check_in_step(opt, {"stage": scaler._opt_state(opt)["stage"]}, (), {})
+    for i in range(3):
+        set_grads(opt, torch.Generator().manual_seed(seed + i))
+        if i == 1:
+            params_of(opt)[0].grad[0] = math.nan
+        scaler.step(opt)
+        scaler.update()
+    handle.remove()
+    assert seen == [0.0, 1.0, 0.0]  # the found_inf the hook saw was already checked

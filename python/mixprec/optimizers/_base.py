@@ -12,17 +12,10 @@ import torch
 from .._dtensor import dtensor_type
 from . import _held, _lean
 from ._rules import LR, MOMENT, check_group, check_state_values, step_count
-from ._step_cache import HyperCache, StepLists, checked_params, gather, regular_params
+from ._step_cache import HyperCache, StepLists, checked_params, gather, regular_params, step_scalars
+from ._step_cache import device_scalar as _device_scalar  # noqa: F401  (FusedLAMB imports it from here)
 
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
-
-
-def _device_scalar(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    """A GradScaler's scale or found_inf, on `device` (non-blocking: no host sync)."""
-    if t is None:
-        return None
-    t = t.to(device=device, dtype=torch.float32, non_blocking=True)
-    return t.reshape(1) if t.dim() != 1 else t
 
 
 class GroupOption:
@@ -180,10 +173,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 + (". Apex's old step(grads=..., scale=...) API is gone: initialize the optimizer like "
                    "torch.optim's and call step() with no arguments" if bad else "")
             )
-        # Left by mixprec.GradScaler when it leaves its inf check to this step (_held.checks_in_step):
-        # the check goes with the held steps' call, into self.found_inf with self.grad_scale as the
-        # scale; else this, the scaler's own check, gives the found_inf to use.
-        pending = self.__dict__.pop("_found_inf_pending", None)
+        pending = self.__dict__.pop("_found_inf_pending", None)  # see _held.try_step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -191,15 +181,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         hyper, lists = self._step_caches()
-        held = _held.HeldSteps.current(self)
-        if held is not None:
-            for index, group in enumerate(self.param_groups):
-                hyper.check(type(self).__name__, self._rules, self._all_group_rules(), group, index)
-            if held.run(self, grad_scale, found_inf, _device_scalar, check_inf=pending is not None):
-                return loss
-        if pending is not None:  # the scaler's own check, before anything of the step is refused
-            found_inf = pending()
-        self.__dict__.pop("_held", None)  # made anew by the fully checked step, if it can be
+        stepped, found_inf = _held.try_step(self, hyper, grad_scale, found_inf, pending)
+        if stepped:
+            return loss
         plan = []
         for index, group in enumerate(self.param_groups):  # every group is checked before any steps
             hyper.check(type(self).__name__, self._rules, self._all_group_rules(), group, index)
@@ -245,12 +229,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                             fresh.append(p)
                             self._init_param_state(p, group)
                 lists.add(params, state_dicts)
-                lr, lr_tensor = group["lr"], None
-                if isinstance(lr, torch.Tensor):
-                    lr, lr_tensor = 0.0, lr.to(device=device, dtype=torch.float32).reshape(1)
-                calls.append((group, params, dict(
-                    step_tensor=self._group_step_tensor(group, device), lr=float(lr), lr_tensor=lr_tensor,
-                    grad_scale=_device_scalar(grad_scale, device), found_inf=_device_scalar(found_inf, device))))
+                calls.append((group, params, step_scalars(self, group, device, grad_scale, found_inf)))
             for group, params, scalars in calls[1:]:
                 self._step_group(group, params, validate_only=True, **scalars)
             group, params, scalars = calls[0] if calls else (None, None, None)
@@ -287,16 +266,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
         raise NotImplementedError
 
-    # Names of the op's optional tensor arguments that a family makes anew for every step (FusedLAMB's
-    # global gradient norm), which a held step takes from _held_extras(group, device), in this order.
+    # The op's optional tensors a family makes anew each step (FusedLAMB's global gradient norm):
+    # a held step takes them from _held_extras(group, device), in this order.
     _held_per_step: tuple[str, ...] = ()
 
     def _held_extras(self, group: dict, device: torch.device) -> tuple:
         return ()
 
-    def _held_check_in_step(self) -> bool:
-        """Whether step() is this class's own, unpatched and hook-free (mixprec.GradScaler then
-        leaves its inf check to it: see _held.checks_in_step)."""
+    def _held_check_in_step(self) -> bool:  # for mixprec.GradScaler (see _held.checks_in_step)
         return _held.checks_in_step(self)
 
     def _step_group(self, group: dict, params: list[torch.Tensor], *, validate_only: bool = False, **scalars) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from .. import _ops
-from ._step_cache import _immutable
+from ._step_cache import _immutable, step_scalars
 
 # Group keys passed anew at every step instead of held: their values may change every step.
 _PER_STEP_KEYS = ("lr", "step")
@@ -100,7 +100,7 @@ class HeldSteps:
         return True
 
     def run(self, optimizer: Any, grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor],
-            device_scalar: Callable, check_inf: bool = False) -> bool:
+            check_inf: bool = False) -> bool:
         """Every group's step, each group checked (by its op's check twin) before any writes, as
         FusedOptimizer.step does; `check_inf`: a GradScaler's inf check of every group's grads into
         found_inf first (grad_scale is the scale). False, with nothing written but found_inf, when
@@ -116,14 +116,10 @@ class HeldSteps:
         saved_steps = [group.get("step") for group in optimizer.param_groups]
         try:
             for g, group in zip(self.groups, optimizer.param_groups):
-                device = g.device
-                lr, lr_tensor = group["lr"], None
-                if isinstance(lr, torch.Tensor):
-                    lr, lr_tensor = 0.0, lr.to(device=device, dtype=torch.float32).reshape(1)
-                extras = optimizer._held_extras(group, device) if g.per_step else ()
-                calls.append((g.plan, (optimizer._group_step_tensor(group, device), float(lr), lr_tensor,
-                                       device_scalar(grad_scale, device), device_scalar(found_inf, device),
-                                       list(extras))))
+                s = step_scalars(optimizer, group, g.device, grad_scale, found_inf)
+                extras = list(optimizer._held_extras(group, g.device)) if g.per_step else []
+                calls.append((g.plan, (s["step_tensor"], s["lr"], s["lr_tensor"], s["grad_scale"], s["found_inf"],
+                                       extras)))
             for plan, args in calls[1:]:
                 if not plan.step(*args, True, False):
                     return False
@@ -140,6 +136,26 @@ class HeldSteps:
         for plan, args in calls[1:]:
             plan.step(*args, False, False)  # checked above, and nothing ran since
         return True
+
+
+def try_step(optimizer: Any, hyper: Any, grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor],
+             pending: Optional[Callable]) -> tuple[bool, Optional[torch.Tensor]]:
+    """FusedOptimizer.step's held path: (True, _) when its held steps made the step; else (False,
+    the found_inf for the fully checked path), the held steps dropped (that path makes new ones).
+    `pending`: left by mixprec.GradScaler when it leaves its inf check to the step
+    (checks_in_step): the check then goes with the held call, into found_inf with grad_scale as
+    the scale; else `pending()`, the scaler's own check, gives the found_inf to use, still before
+    anything of the step can be refused."""
+    held = HeldSteps.current(optimizer)
+    if held is not None:
+        for index, group in enumerate(optimizer.param_groups):
+            hyper.check(type(optimizer).__name__, optimizer._rules, optimizer._all_group_rules(), group, index)
+        if held.run(optimizer, grad_scale, found_inf, check_inf=pending is not None):
+            return True, found_inf
+    if pending is not None:
+        found_inf = pending()
+    optimizer.__dict__.pop("_held", None)
+    return False, found_inf
 
 
 class Recorder:
