@@ -114,18 +114,35 @@ def time_three(fn: Callable[[], None], device: torch.device, runs: int, warmup: 
     return {k: statistics.median(v) for k, v in (("one", one), ("queued", queued), ("host", host))}
 
 
-def class_path_cases(shapes, device, gen, families: Optional[list] = None):
+def _fully_checked(opt, scaler=None) -> None:
+    """Makes every step of `opt` take the fully checked path (no held steps, optimizers/_held.py),
+    and `scaler` make its own inf check before it: the path of the first step, and of every step
+    before held steps existed."""
+    real_step = opt.step
+
+    def step(*args, **kwargs):
+        opt.__dict__.pop("_held", None)
+        return real_step(*args, **kwargs)
+    opt.step = step
+    if scaler is not None:
+        scaler._check_in_step = lambda *args: False
+
+
+def class_path_cases(shapes, device, gen, families: Optional[list] = None, checked: bool = False):
     """(family, precision, path, bytes/param, step function, keep-alive) for every row; built lazily
-    (one set of params at a time), so a GPU holds one contender's memory at once."""
+    (one set of params at a time), so a GPU holds one contender's memory at once. `checked`: each
+    row also fully checked (" [checked]"), every step as the first, for before/after in one run."""
     for family, make in FAMILIES.items():
         if families and family not in families:
             continue
         for prec, dtype in PRECISIONS.items():
             g, m = (4, 0) if dtype == torch.float32 else (2, 2)
-            for path in ("opt.step()", "mixprec scaler.step+update"):
+            paths = ("opt.step()", "mixprec scaler.step+update")
+            for path in paths + tuple(p + " [checked]" for p in paths if checked):
                 params = _params(shapes, dtype, device, gen)
                 opt = make(params, dtype != torch.float32)
-                if path == "opt.step()":
+                scaler = None
+                if path.startswith("opt.step()"):
                     fn = opt.step
                     nbytes = BYTES[family](g, m)
                 else:
@@ -135,6 +152,10 @@ def class_path_cases(shapes, device, gen, families: Optional[list] = None):
                         scaler.step(opt)
                         scaler.update()
                     nbytes = BYTES[family](g, m) + 2 * g  # the check's read, the unscaled grads' write
+                if path.endswith("[checked]"):
+                    _fully_checked(opt, scaler)
+                    if scaler is None:
+                        fn = opt.step
                 yield family, prec, path, nbytes, fn
                 del params, opt, fn
     # The peers: torch's fused AdamW alone and under torch's GradScaler (fp32; torch has no O2 step).
@@ -162,9 +183,9 @@ def class_path_cases(shapes, device, gen, families: Optional[list] = None):
 
 
 def run_class_path(shapes, device, gen, runs: int, warmup: int, copy, unit: str, div: float, n: int,
-                   families: Optional[list] = None) -> list[dict]:
+                   families: Optional[list] = None, checked: bool = False) -> list[dict]:
     rows = []
-    for family, prec, path, nbytes, fn in class_path_cases(shapes, device, gen, families):
+    for family, prec, path, nbytes, fn in class_path_cases(shapes, device, gen, families, checked):
         t = time_three(fn, device, runs, warmup)
         row = {"group": f"{family} {prec}", "variant": path, "1 step ms": t["one"] * 1e3,
                "queued ms": t["queued"] * 1e3, "host ms": t["host"] * 1e3, "bytes/param": nbytes}

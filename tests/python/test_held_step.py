@@ -363,3 +363,31 @@ def test_held_scaler_step_leaves_the_check_to_the_scaler_around_hooks(seed):
         scaler.update()
     handle.remove()
     assert seen == [0.0, 1.0, 0.0]  # the found_inf the hook saw was already checked
+
+
+def test_held_steps_return_after_a_changing_spell(gen, seed, monkeypatch):
+    """Held steps made and invalidated before use are made less often (their making costs about a
+    checked step), and come back once nothing changes; every step's result is a fresh copy's."""
+    opt = make("adam", torch.float32, gen)
+    made = []
+    real = _held.build
+
+    def counting(optimizer, *args):
+        held = real(optimizer, *args)
+        if optimizer is opt:
+            made.append(held is not None)
+        return held
+    monkeypatch.setattr(_held, "build", counting)
+    for i in range(6):  # a state tensor replaced before every step
+        p = params_of(opt)[5]
+        if p in opt.state:
+            opt.state[p]["exp_avg"] = opt.state[p]["exp_avg"].clone()
+        fresh = copy.deepcopy(opt)
+        assert_same_outcome(outcome(opt, seed + i), outcome(fresh, seed + i))
+    # Made after steps 0 and 2; unused, so declined after step 1 (wait 1) and 3-5 (wait 3).
+    assert made == [True, False, True, False, False, False]
+    for i in range(12):  # then nothing changes
+        fresh = copy.deepcopy(opt)
+        assert_same_outcome(outcome(opt, seed + 10 + i), outcome(fresh, seed + 10 + i))
+    assert held_of(opt) is not None and made[6:] == [True]
+    assert opt.__dict__.get("_held_backoff") is None  # reset by a used held step

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from itertools import chain
-from operator import is_
+from operator import attrgetter, is_
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -26,6 +26,7 @@ from ._step_cache import _immutable, step_scalars
 
 # Group keys passed anew at every step instead of held: their values may change every step.
 _PER_STEP_KEYS = ("lr", "step")
+_GRAD = attrgetter("grad")
 # The op arguments every replay sets (HeldStep.step): the step scalars, and the grads.
 _STEP_ARGS = ("grads", "step_tensor", "lr", "lr_tensor", "grad_scale", "found_inf")
 
@@ -73,6 +74,7 @@ class HeldSteps:
         self.state_keys = list(optimizer.state)
         self.state_values = list(optimizer.state.values())
         self.groups = groups
+        self.used = False
 
     @staticmethod
     def current(optimizer: Any) -> Optional[HeldSteps]:
@@ -151,10 +153,17 @@ def try_step(optimizer: Any, hyper: Any, grad_scale: Optional[torch.Tensor], fou
         for index, group in enumerate(optimizer.param_groups):
             hyper.check(type(optimizer).__name__, optimizer._rules, optimizer._all_group_rules(), group, index)
         if held.run(optimizer, grad_scale, found_inf, check_inf=pending is not None):
+            held.used = True
+            optimizer.__dict__.pop("_held_backoff", None)
             return True, found_inf
     if pending is not None:
         found_inf = pending()
-    optimizer.__dict__.pop("_held", None)
+    stale = optimizer.__dict__.pop("_held", None)
+    if stale is not None and not stale.used:
+        # Made and never used (something changes every step): making them costs about as much
+        # as a fully checked step, so wait 1, 3, 7 ... (at most 63) steps before the next try.
+        misses = optimizer.__dict__.get("_held_backoff", (0, 0))[0] + 1
+        optimizer.__dict__["_held_backoff"] = (misses, (1 << min(misses, 6)) - 1)
     return False, found_inf
 
 
@@ -182,6 +191,10 @@ class Recorder:
 def build(optimizer: Any, stepped: list, recorder: Recorder) -> Optional[HeldSteps]:
     """Held steps for the step just made, when every group stepped all its params with one op call
     that a HeldStep can replay (see _holdable); None otherwise."""
+    misses, wait = optimizer.__dict__.get("_held_backoff", (0, 0))
+    if wait > 0:
+        optimizer.__dict__["_held_backoff"] = (misses, wait - 1)
+        return None
     if len(stepped) != len(optimizer.param_groups) or len(recorder.calls) != len(stepped):
         return None
     groups = []
@@ -202,9 +215,9 @@ def _holdable(optimizer: Any, group: dict, params: list, scalars: dict, family: 
     and every option value immutable (compared by identity)."""
     all_params = group["params"]
     op_params = values["params"]
-    if len(op_params) != len(all_params) or any(map(lambda a, b: a is not b, op_params, all_params)):
+    if len(op_params) != len(all_params) or not _same_objects(op_params, all_params):
         return None  # some params without grads, or DTensors taken by their local shards
-    if any(map(lambda g, p: g is not p.grad, values["grads"], op_params)):
+    if not _same_objects(values["grads"], list(map(_GRAD, op_params))):
         return None
     if (values.get("step_tensor") is not scalars["step_tensor"] or values.get("lr_tensor") is not scalars["lr_tensor"]
             or values.get("grad_scale") is not scalars["grad_scale"]
@@ -213,8 +226,10 @@ def _holdable(optimizer: Any, group: dict, params: list, scalars: dict, family: 
     rules = optimizer._rules
     if not all(_immutable(group[k]) for k in rules if k in group and k not in _PER_STEP_KEYS):
         return None
-    state_dicts = [optimizer.state[p] for p in all_params]
-    owned = [{id(v) for v in sd.values()} | {id(p)} for sd, p in zip(state_dicts, all_params)]
+    state_dicts = list(map(optimizer.state.__getitem__, all_params))
+    # Every tensor held must be one whose identity HeldGroup watches: a param, a state value, a
+    # group value (the fully checked path would build the same lists from the same objects).
+    owned = set(map(id, chain(all_params, chain.from_iterable(map(dict.values, state_dicts)))))
     group_values = {id(v) for v in group.values()}
     per_step = tuple(getattr(optimizer, "_held_per_step", ()))
 
@@ -226,8 +241,8 @@ def _holdable(optimizer: Any, group: dict, params: list, scalars: dict, family: 
         kind = str(arg.type)
         if kind == "List[Tensor]":
             value = list(value)
-            if name not in _STEP_ARGS and value and (
-                    len(value) != len(all_params) or not all(map(lambda t, ids: id(t) in ids, value, owned))):
+            if name not in _STEP_ARGS and value and (len(value) != len(all_params)
+                                                     or not owned.issuperset(map(id, value))):
                 return None
             lengths.append(len(value))
             tensors.extend(value)
