@@ -131,12 +131,13 @@ bool HeldStep::check_inf(at::Tensor found_inf, std::optional<at::Tensor> scale) 
 
 void HeldStep::check_grads(std::vector<at::Tensor> tensors, const at::Tensor& found_inf,
                            const std::optional<at::Tensor>& scale) {
+  non_finite_check_and_unscale_(tensors, found_inf);
   if (scale) {
     // The reciprocal in float64, as torch's scaler takes it; log(1/scale) is finite exactly when
-    // the float32 reciprocal is finite and > 0 (the Python scaler's flag_unusable_scale).
-    tensors.push_back(scale->to(at::kDouble).reciprocal().to(at::kFloat).log().reshape({1}));
+    // the float32 reciprocal is finite and > 0 (the Python scaler's flag_unusable_scale). A call
+    // of its own: the grads' call then repeats exactly and reuses its packing (pack_lists).
+    non_finite_check_and_unscale_({scale->to(at::kDouble).reciprocal().to(at::kFloat).log().reshape({1})}, found_inf);
   }
-  non_finite_check_and_unscale_(tensors, found_inf);
 }
 
 TORCH_LIBRARY_FRAGMENT(mixprec, m) {

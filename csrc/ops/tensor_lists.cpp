@@ -113,6 +113,7 @@ namespace {
 // overlap sort and the grouping (~30 us of host time per step for 6 x 292 tensors).
 struct PackedCall {
   const char* op = nullptr;
+  uint64_t last_used = 0;
   PackRules rules;
   at::Device device{at::kCPU};
   std::vector<int64_t> list_facts;  // per list: length, written, may_be_params, stand-in
@@ -127,8 +128,11 @@ PackedLists check_and_pack(const char* op, const std::vector<NamedList>& lists, 
                            PackRules rules);
 
 constexpr size_t kKeptCalls = 8;  // a few param groups and the scaler's check
+// Calls this small are checked about as fast as compared, and often come with new tensors each
+// time (a scale's reciprocal): kept, they would only push out the large calls that repeat.
+constexpr int64_t kSmallestKept = 8;
 thread_local std::vector<PackedCall> kept_calls;
-thread_local size_t next_kept = 0;
+thread_local uint64_t calls_seen = 0;  // the call count; each kept call notes the last it served
 
 bool is_stand_in(const std::vector<NamedList>& lists, size_t k) {
   return k > 0 && lists[k].tensors.data() == lists[0].tensors.data();
@@ -187,11 +191,13 @@ void keep_call(const char* op, const std::vector<NamedList>& lists, const at::De
     }
   }
   c.packed = packed;
+  c.last_used = calls_seen;
   if (kept_calls.size() < kKeptCalls) {
     kept_calls.push_back(std::move(c));
-  } else {
-    kept_calls[next_kept] = std::move(c);
-    next_kept = (next_kept + 1) % kKeptCalls;
+  } else {  // the least recently used goes
+    *std::min_element(kept_calls.begin(), kept_calls.end(), [](const PackedCall& a, const PackedCall& b) {
+      return a.last_used < b.last_used;
+    }) = std::move(c);
   }
 }
 
@@ -199,9 +205,17 @@ void keep_call(const char* op, const std::vector<NamedList>& lists, const at::De
 
 PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, const at::Device& device, PackRules rules) {
   MIXPREC_INTERNAL_ASSERT(!lists.empty() && lists.size() <= static_cast<size_t>(kernels::kMaxLists));
+  size_t total = 0;
+  for (const NamedList& l : lists) total += l.tensors.size();
+  if (static_cast<int64_t>(total) < kSmallestKept) return check_and_pack(op, lists, device, rules);
+  ++calls_seen;
   std::vector<int64_t> facts = list_facts(lists);
-  for (const PackedCall& c : kept_calls)
-    if (same_call(c, op, lists, device, rules, facts)) return c.packed;
+  for (PackedCall& c : kept_calls) {
+    if (same_call(c, op, lists, device, rules, facts)) {
+      c.last_used = calls_seen;
+      return c.packed;
+    }
+  }
   PackedLists packed = check_and_pack(op, lists, device, rules);
   keep_call(op, lists, device, rules, std::move(facts), packed);
   return packed;

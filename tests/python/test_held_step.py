@@ -56,6 +56,20 @@ def test_a_second_step_is_held(family, gen, seed, monkeypatch):
     assert calls.n == first, "a held step went through the Python op wrapper"
 
 
+def new_scaler(device, init_scale: float, held: bool):
+    scaler = mixprec.GradScaler(torch.device(device).type, init_scale=init_scale, growth_interval=2, sync_skip=False)
+    scaler.scale(torch.ones((), device=device))  # makes the scale, as scaling a loss does
+    if not held:  # the scaler's own check before the step, as before held steps
+        scaler._check_in_step = lambda *args: False
+    return scaler
+
+
+def next_grads(opt, held: bool, seed: int) -> None:
+    if not held:
+        without_held(opt)
+    set_grads(opt, torch.Generator().manual_seed(seed))
+
+
 def run_twins(family, dtype, gen, seed, device, steps, scaler_kind=None, bad_steps=(), checkpoint_at=None):
     """The same training with held steps and with every step fully checked; returns both optimizers'
     tensors after each step."""
@@ -63,18 +77,10 @@ def run_twins(family, dtype, gen, seed, device, steps, scaler_kind=None, bad_ste
     for held in (True, False):
         g = torch.Generator().manual_seed(seed)
         opt = make(family, dtype, g, device)
-        scaler = None
-        if scaler_kind is not None:
-            scaler = mixprec.GradScaler(torch.device(device).type, init_scale=2.0**4, growth_interval=2,
-                                        sync_skip=False)
-            scaler.scale(torch.ones((), device=device))
-            if not held:  # the scaler's own check before the step, as before held steps
-                scaler._check_in_step = lambda *args: False
+        scaler = new_scaler(device, 2.0**4, held) if scaler_kind is not None else None
         log = []
         for i in range(steps):
-            if not held:
-                without_held(opt)
-            set_grads(opt, torch.Generator().manual_seed(seed + i))
+            next_grads(opt, held, seed + i)
             if i in bad_steps:
                 p = [p for p in params_of(opt) if p.numel() > 0][i % 3]
                 p.grad.view(-1)[i % p.numel()] = (math.inf, -math.inf, math.nan)[i % 3]
@@ -294,8 +300,7 @@ def scaler_twins(build, device, seed, steps, before_step):
     logs, own_checks = [], []
     for held in (True, False):
         opt = build(torch.Generator().manual_seed(seed))
-        scaler = mixprec.GradScaler(torch.device(device).type, init_scale=2.0**3, growth_interval=2, sync_skip=False)
-        scaler.scale(torch.ones((), device=device))
+        scaler = new_scaler(device, 2.0**3, held)
         checks = [0]
         real = scaler._unscale_grads_
 
@@ -303,13 +308,9 @@ def scaler_twins(build, device, seed, steps, before_step):
             checks[0] += 1
             return real(*args)
         scaler._unscale_grads_ = counting  # an instance attribute: the class's hooks stay mixprec's
-        if not held:
-            scaler._check_in_step = lambda *args: False
         log = []
         for i in range(steps):
-            if not held:
-                without_held(opt)
-            set_grads(opt, torch.Generator().manual_seed(seed + i))
+            next_grads(opt, held, seed + i)
             before_step(i, opt, scaler)
             scaler.step(opt)
             scaler.update()
