@@ -114,18 +114,37 @@ def time_three(fn: Callable[[], None], device: torch.device, runs: int, warmup: 
     return {k: statistics.median(v) for k, v in (("one", one), ("queued", queued), ("host", host))}
 
 
-def class_path_cases(shapes, device, gen, families: Optional[list] = None):
+def _fully_checked(opt, scaler=None) -> None:
+    """Makes every step of `opt` take the fully checked path (no held steps, optimizers/_held.py,
+    none made either), and `scaler` make its own inf check before it: the path of the first step
+    and of every step before held steps existed (the op's kept packing, csrc/ops/tensor_lists.cpp,
+    still serves it)."""
+    real_step = opt.step
+
+    def step(*args, **kwargs):
+        opt.__dict__.pop("_held", None)
+        opt.__dict__["_held_backoff"] = (0, 1 << 30)  # build() declines: it waits that many steps
+        return real_step(*args, **kwargs)
+    opt.step = step
+    if scaler is not None:
+        scaler._check_in_step = lambda *args: False
+
+
+def class_path_cases(shapes, device, gen, families: Optional[list] = None, checked: bool = False):
     """(family, precision, path, bytes/param, step function, keep-alive) for every row; built lazily
-    (one set of params at a time), so a GPU holds one contender's memory at once."""
+    (one set of params at a time), so a GPU holds one contender's memory at once. `checked`: each
+    row also fully checked (" [checked]"), every step as the first, for before/after in one run."""
     for family, make in FAMILIES.items():
         if families and family not in families:
             continue
         for prec, dtype in PRECISIONS.items():
             g, m = (4, 0) if dtype == torch.float32 else (2, 2)
-            for path in ("opt.step()", "mixprec scaler.step+update"):
+            paths = ("opt.step()", "mixprec scaler.step+update")
+            for path in paths + tuple(p + " [checked]" for p in paths if checked):
                 params = _params(shapes, dtype, device, gen)
                 opt = make(params, dtype != torch.float32)
-                if path == "opt.step()":
+                scaler = None
+                if path.startswith("opt.step()"):
                     fn = opt.step
                     nbytes = BYTES[family](g, m)
                 else:
@@ -135,6 +154,10 @@ def class_path_cases(shapes, device, gen, families: Optional[list] = None):
                         scaler.step(opt)
                         scaler.update()
                     nbytes = BYTES[family](g, m) + 2 * g  # the check's read, the unscaled grads' write
+                if path.endswith("[checked]"):
+                    _fully_checked(opt, scaler)
+                    if scaler is None:
+                        fn = opt.step
                 yield family, prec, path, nbytes, fn
                 del params, opt, fn
     # The peers: torch's fused AdamW alone and under torch's GradScaler (fp32; torch has no O2 step).
@@ -162,9 +185,9 @@ def class_path_cases(shapes, device, gen, families: Optional[list] = None):
 
 
 def run_class_path(shapes, device, gen, runs: int, warmup: int, copy, unit: str, div: float, n: int,
-                   families: Optional[list] = None) -> list[dict]:
+                   families: Optional[list] = None, checked: bool = False) -> list[dict]:
     rows = []
-    for family, prec, path, nbytes, fn in class_path_cases(shapes, device, gen, families):
+    for family, prec, path, nbytes, fn in class_path_cases(shapes, device, gen, families, checked):
         t = time_three(fn, device, runs, warmup)
         row = {"group": f"{family} {prec}", "variant": path, "1 step ms": t["one"] * 1e3,
                "queued ms": t["queued"] * 1e3, "host ms": t["host"] * 1e3, "bytes/param": nbytes}
@@ -182,3 +205,46 @@ def run_class_path(shapes, device, gen, runs: int, warmup: int, copy, unit: str,
 
 CLASS_PATH_COLUMNS = ["group", "variant", "1 step ms", "queued ms", "host ms", "bytes/param", "% copy 1 step",
                       "% copy queued"]
+
+
+def host_minimum(fn: Callable[[], None], calls: int, warmup: int = 20) -> float:
+    """The least wall time of `fn` over `calls` calls (seconds): on a shared CPU, where medians
+    wander by 2x, the figure that repeats."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    """Host time per call of every class-path row, held and fully checked ("[checked]"), as the
+    minimum over many calls: ``--device meta`` (Python and the dispatcher) or ``--device cpu``
+    (every tensor 16 elements: the C++ checks and packing included, the kernels next to nothing)."""
+    import argparse
+
+    import common
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("meta", "cpu"), default="meta")
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--families", nargs="*", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    shapes = common.SHAPE_SETS["gpt2-medium"]()
+    if device.type == "cpu":
+        shapes = [(16,) if len(s) == 1 else (4, 4) for s in shapes]
+    gen = torch.Generator().manual_seed(0) if device.type == "cpu" else None
+    print(f"{device.type} | torch {torch.__version__} | {len(shapes)} tensors | minimum of {args.calls} calls")
+    for family, prec, path, _, fn in class_path_cases(shapes, device, gen, args.families, checked=True):
+        if family.startswith("torch"):
+            continue
+        print(f"  {family} {prec:8s} {path:38s} {host_minimum(fn, args.calls) * 1e6:8.0f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()

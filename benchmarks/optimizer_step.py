@@ -6,6 +6,7 @@ parameter, achieved TB/s and share of a device copy measured in the same run.
     python benchmarks/optimizer_step.py --device cpu --quick
     python benchmarks/optimizer_step.py --class-path     # the optimizer classes and GradScaler only
     python benchmarks/optimizer_step.py --class-path --meta  # their host time alone (any machine)
+    python benchmarks/optimizer_step.py --class-path --checked-too  # and each row without held steps
 
 Bytes per parameter count each operand read once and each result written once (DESIGN.md):
 AdamW fp32 = grad 4 + param r/w 8 + moments r/w 16 = 28; the loss-scaled step adds the
@@ -264,6 +265,8 @@ def main() -> None:
                         f"({', '.join(class_path.FAMILIES)})")
     parser.add_argument("--meta", action="store_true", help="with --class-path: params on the meta device "
                         "(host time alone, the full shape set, on any machine; default shapes gpt2-medium)")
+    parser.add_argument("--checked-too", action="store_true", help="with --class-path: each row also with every "
+                        "step fully checked (no held steps, the scaler's own check): before and after in one run")
     parser.add_argument("--shrink", type=int, default=1, help="with --class-path: divide every dimension by this "
                         "(the same tensor count with a tiny payload: per-tensor host cost on a CPU)")
     args = parser.parse_args()
@@ -328,7 +331,8 @@ def main_class_path(args, device, shapes_name, shapes, runs, warmup) -> None:
     gen = torch.Generator(device=device) if device.type != "meta" else None
     if gen is not None:
         gen.manual_seed(0)
-    rows = class_path.run_class_path(shapes, device, gen, runs, warmup, copy, unit, div, n, args.families)
+    rows = class_path.run_class_path(shapes, device, gen, runs, warmup, copy, unit, div, n, args.families,
+                                     args.checked_too)
     print(common.format_table(rows, [c for c in class_path.CLASS_PATH_COLUMNS if device.type != "meta" or "%" not in c]))
     if args.out:
         common.write_json(args.out, env, rows, shapes=shapes_name, shrink=args.shrink,

@@ -43,6 +43,7 @@ set(MIXPREC_OP_SOURCES
   csrc/ops/bias_grad.cpp
   csrc/ops/cross_entropy.cpp
   csrc/ops/format.cpp
+  csrc/ops/held_step.cpp
   csrc/ops/fp8.cpp
   csrc/ops/lamb.cpp
   csrc/ops/layer_norm.cpp

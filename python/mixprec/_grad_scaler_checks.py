@@ -10,8 +10,9 @@ from typing import Any, Optional
 import torch
 
 from . import _ops
-from ._loss_scale import (F32_MAX, INT32_MAX, ScaleState, _check_number, check_scale, flag_unusable_scale_,
-                          validate_extra_state)
+from . import distributed as _dist
+from ._loss_scale import (F32_MAX, INT32_MAX, ScaleState, _check_number, check_scale, combine_found,
+                          flag_unusable_scale_, validate_extra_state)
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -185,3 +186,23 @@ def flag_unusable_scale(per_device: dict[torch.device, torch.Tensor], scale: tor
             _ops.non_finite_check_and_unscale_([inv.log().reshape(1)], found)
             return
     flag_unusable_scale_(per_device, scale)
+
+
+def step_checks_inf(optimizer: Any, args: tuple, kwargs: dict, process_group: Any) -> bool:
+    """Whether ``optimizer.step()`` can make a GradScaler's inf check itself (in the same C++
+    call as its update: optimizers/_held.py): a mixprec FusedOptimizer's own step, unpatched and
+    without hooks, called with no arguments, no preset grad_scale, and no found_inf to agree on
+    across ranks (that needs a collective between the check and the update)."""
+    check = getattr(optimizer, "_held_check_in_step", None)
+    return (check is not None and not args and not kwargs and getattr(optimizer, "grad_scale", None) is None
+            and _dist.reduction_group(process_group) is None and check())
+
+
+def found_for_step(per_device: dict, scale: torch.Tensor) -> torch.Tensor:
+    """The found_inf handed to a fused optimizer: this iteration's checks combined."""
+    if not per_device:  # no gradient at all (an idle or frozen sub-model): torch steps with found_inf 0
+        return torch.zeros((), dtype=torch.float32, device=scale.device)
+    found = combine_found(per_device.values(), scale.device)
+    if any(found is f for f in per_device.values()):
+        found = found.clone()  # the optimizer's own, as torch's sum is: update() reads ours
+    return found

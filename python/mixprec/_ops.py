@@ -10,6 +10,7 @@ shards are reduced across ranks between the op's passes (``_dtensor.reduce_shard
 from __future__ import annotations
 
 import operator
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -56,9 +57,17 @@ _OPTIM_OPS = {name + suffix: _OptimOp(name + suffix)
               for name in ("adam", "sgd", "lamb", "adagrad", "novograd") for suffix in ("_", "_check")}
 
 
+# A FusedOptimizer recording the op calls of a step, to hold them in C++ for the next steps
+# (optimizers/_held.py), sets ``recorder.record`` (per thread) for the length of that step.
+recorder = threading.local()
+
+
 def _optim_step(family: str, validate_only: bool, values: dict) -> None:
     """Runs ``torch.ops.mixprec.<family>_`` (validate_only: ``<family>_check``, which makes every
     check of the step, layouts and aliasing included, and writes nothing) with ``values``."""
+    record = getattr(recorder, "record", None)
+    if record is not None and not validate_only:
+        record(family, values)
     _OPTIM_OPS[family + ("_check" if validate_only else "_")](values)
 
 

@@ -340,17 +340,23 @@ class GradScaler(ScalerStateFront):
                 FutureWarning, stacklevel=3,
             )
             kwargs_.update({"grad_scaler": self})
+        elif self._check_in_step(optimizer, optimizer_state, args, kwargs):
+            # A mixprec optimizer's own step() makes the inf check, from the grads its held steps
+            # read in C++ (optimizers/_held.py), or else by calling back _checked_found: one call
+            # for the check and the update, the check still before anything could be refused.
+            scale = self._get_scale_async()
+            found = torch.zeros((), dtype=torch.float32, device=scale.device)
+            optimizer_state["found_inf_per_device"] = {found.device: found}
+            optimizer._found_inf_pending = lambda: self._checked_found(optimizer, optimizer_state, scale)
+            # Neither tensor needs the copies below: FusedOptimizer.step writes neither, and no
+            # hook runs around it (_check_in_step).
+            optimizer.grad_scale = scale
+            optimizer.found_inf = found
         else:
             if optimizer_state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
             scale = self._get_scale_async()
-            per_device = optimizer_state["found_inf_per_device"]
-            if per_device:
-                found = combine_found(per_device.values(), scale.device)
-                if any(found is f for f in per_device.values()):
-                    found = found.clone()  # the optimizer's own, as torch's sum is: update() reads ours
-            else:  # no gradient at all (an idle or frozen sub-model): torch steps with found_inf 0
-                found = torch.zeros((), dtype=torch.float32, device=scale.device)
+            found = checks.found_for_step(optimizer_state["found_inf_per_device"], scale)
             if optimizer_state["stage"] is OptState.UNSCALED:
                 optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
             else:
@@ -369,9 +375,23 @@ class GradScaler(ScalerStateFront):
             if not has_grad_scaler_kwarg:  # never left behind for a later plain step()
                 del optimizer.grad_scale
                 del optimizer.found_inf
+                optimizer.__dict__.pop("_found_inf_pending", None)
         self._per_optimizer_states[id(optimizer)] = optimizer_state
         optimizer_state["stage"] = OptState.STEPPED
         return retval
+
+    def _check_in_step(self, optimizer, optimizer_state: dict[str, Any], args, kwargs) -> bool:
+        # A subclass overriding torch's check hooks gets them called, as ever.
+        cls = type(self)
+        own_hooks = (cls._unscale_grads_ is GradScaler._unscale_grads_
+                     and cls._check_inf_per_device is GradScaler._check_inf_per_device)
+        return own_hooks and optimizer_state["stage"] is OptState.READY and checks.step_checks_inf(
+            optimizer, args, kwargs, self._process_group)
+
+    def _checked_found(self, optimizer, optimizer_state: dict[str, Any], scale: torch.Tensor) -> torch.Tensor:
+        """The scaler's own inf check, for a step that could not make it from held grads."""
+        self._check_inf_per_device(optimizer)
+        return checks.found_for_step(optimizer_state["found_inf_per_device"], scale)
 
     # -- update ---------------------------------------------------------------------------------
     def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:

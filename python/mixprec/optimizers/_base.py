@@ -10,19 +10,12 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .._dtensor import dtensor_type
-from . import _lean
+from . import _held, _lean
 from ._rules import LR, MOMENT, check_group, check_state_values, step_count
-from ._step_cache import HyperCache, StepLists, checked_params, gather, regular_params
+from ._step_cache import HyperCache, StepLists, checked_params, gather, regular_params, step_scalars
+from ._step_cache import device_scalar as _device_scalar  # noqa: F401  (FusedLAMB imports it from here)
 
 _APEX_LEGACY_STEP_ARGS = ("grads", "output_params", "scale", "grad_norms", "grad_scaler")
-
-
-def _device_scalar(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    """A GradScaler's scale or found_inf, on `device` (non-blocking: no host sync)."""
-    if t is None:
-        return None
-    t = t.to(device=device, dtype=torch.float32, non_blocking=True)
-    return t.reshape(1) if t.dim() != 1 else t
 
 
 class GroupOption:
@@ -180,6 +173,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 + (". Apex's old step(grads=..., scale=...) API is gone: initialize the optimizer like "
                    "torch.optim's and call step() with no arguments" if bad else "")
             )
+        pending = self.__dict__.pop("_found_inf_pending", None)  # see _held.try_step
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -187,6 +181,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         hyper, lists = self._step_caches()
+        stepped, found_inf = _held.try_step(self, hyper, grad_scale, found_inf, pending)
+        if stepped:
+            return loss
         plan = []
         for index, group in enumerate(self.param_groups):  # every group is checked before any steps
             hyper.check(type(self).__name__, self._rules, self._all_group_rules(), group, index)
@@ -220,6 +217,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         fresh: list[torch.Tensor] = []
         groups_before = [dict(group) for group, _, _ in plan]
         calls = []
+        recorder = _held.Recorder()
         try:
             for group, params, device in plan:
                 # One lookup per param (each hashes the tensor in Python); the subclasses' _states and
@@ -231,17 +229,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                             fresh.append(p)
                             self._init_param_state(p, group)
                 lists.add(params, state_dicts)
-                lr, lr_tensor = group["lr"], None
-                if isinstance(lr, torch.Tensor):
-                    lr, lr_tensor = 0.0, lr.to(device=device, dtype=torch.float32).reshape(1)
-                calls.append((group, params, dict(
-                    step_tensor=self._group_step_tensor(group, device), lr=float(lr), lr_tensor=lr_tensor,
-                    grad_scale=_device_scalar(grad_scale, device), found_inf=_device_scalar(found_inf, device))))
+                calls.append((group, params, step_scalars(self, group, device, grad_scale, found_inf)))
             for group, params, scalars in calls[1:]:
                 self._step_group(group, params, validate_only=True, **scalars)
             group, params, scalars = calls[0] if calls else (None, None, None)
             if calls:
-                self._step_group(group, params, **scalars)  # its op checks before it writes
+                with recorder:
+                    recorder.start_group()
+                    self._step_group(group, params, **scalars)  # its op checks before it writes
         except BaseException:
             for p in fresh:
                 self.state.pop(p, None)
@@ -249,9 +244,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 group.clear()  # keys made for this step (a step tensor, NovoGrad's norms) go again
                 group.update(saved)
             raise
-        for group, params, scalars in calls[1:]:
-            self._step_group(group, params, **scalars)
+        with recorder:
+            for group, params, scalars in calls[1:]:
+                recorder.start_group()
+                self._step_group(group, params, **scalars)
         _lean.settle(self, [(group, params) for group, params, _ in calls])
+        held = _held.build(self, calls, recorder)
+        if held is not None:
+            self.__dict__["_held"] = held
         return loss
 
     # -- helpers for subclasses --------------------------------------------------------------
@@ -265,6 +265,16 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
         raise NotImplementedError
+
+    # The op's optional tensors a family makes anew each step (FusedLAMB's global gradient norm):
+    # a held step takes them from _held_extras(group, device), in this order.
+    _held_per_step: tuple[str, ...] = ()
+
+    def _held_extras(self, group: dict, device: torch.device) -> tuple:
+        return ()
+
+    def _held_check_in_step(self) -> bool:  # for mixprec.GradScaler (see _held.checks_in_step)
+        return _held.checks_in_step(self)
 
     def _step_group(self, group: dict, params: list[torch.Tensor], *, validate_only: bool = False, **scalars) -> None:
         """One op call over the group's params with gradients; ``validate_only``: the op's check
@@ -304,6 +314,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state_dict made by ``state_dict()``, validating all of it before changing anything."""
         name = type(self).__name__
+        # The held steps keep the old state alive (a second copy of every moment) until the next step.
+        self.__dict__.pop("_held", None)
         if (not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict)
                 or "param_groups" not in state_dict):
             raise ValueError(f"{name}.load_state_dict: expected a dict with 'state' (a dict) and 'param_groups'")

@@ -69,6 +69,24 @@ class HyperCache:
         del self._seen[index:]
 
 
+def device_scalar(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
+    """A GradScaler's scale or found_inf, on `device` (non-blocking: no host sync)."""
+    if t is None:
+        return None
+    t = t.to(device=device, dtype=torch.float32, non_blocking=True)
+    return t.reshape(1) if t.dim() != 1 else t
+
+
+def step_scalars(optimizer: Any, group: dict, device: torch.device, grad_scale: Optional[torch.Tensor],
+                 found_inf: Optional[torch.Tensor]) -> dict:
+    """The step scalars of one group's op call (its _step_group's keywords), on `device`."""
+    lr, lr_tensor = group["lr"], None
+    if isinstance(lr, torch.Tensor):
+        lr, lr_tensor = 0.0, lr.to(device=device, dtype=torch.float32).reshape(1)
+    return dict(step_tensor=optimizer._group_step_tensor(group, device), lr=float(lr), lr_tensor=lr_tensor,
+                grad_scale=device_scalar(grad_scale, device), found_inf=device_scalar(found_inf, device))
+
+
 def regular_params(params: list) -> Optional[tuple[list, list, torch.device]]:
     """(params, grads, device) when every param of a group has a dense gradient and all share one
     device: the common case, found by three C-level passes. None otherwise (a param without grad,

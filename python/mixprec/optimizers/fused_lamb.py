@@ -71,6 +71,11 @@ class FusedLAMB(FusedOptimizer):
             self._grad_norms = {}
         return loss
 
+    _held_per_step = ("global_grad_norm",)  # made anew every step (above): a held step takes it from here
+
+    def _held_extras(self, group, device):
+        return (self._grad_norms.get(device) if _clips(group) else None,)
+
     def _global_grad_norms(self) -> dict[torch.device, torch.Tensor]:
         """The unscaled L2 norm of all gradients of all groups, one copy per device in use, all
         computed and divided on the device (no host sync). Empty when no group clips."""
