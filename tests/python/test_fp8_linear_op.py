@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import inject_non_finite, random_tensor
+from conftest import inject_non_finite, random_tensor, rel_err
 from fp8_reference import reference_linear
 
 from mixprec import _ops_fp8, fp8
@@ -95,6 +95,38 @@ def test_bitwise_the_python_implementation_on_fresh_inputs(recipe, dtype, gen):
         got = _step(lambda t: reference_linear(t, ref.weight, ref.bias, ref.fp8_state), ref, s["x"], s["dy"])
         _equal(got[0], s["y"], "oracle vs saved y")
         _equal(got[2], s["dw"], "oracle vs saved dw")
+
+
+@pytest.mark.parametrize("needs", ("input", "weight", "bias", "none", "inference"))
+def test_bitwise_the_python_implementation_whatever_needs_a_gradient(needs, gen):
+    """Each combination writes only the transposes its gradients read, and runs the kernel it
+    dispatches to (the autograd node, or below it under inference mode)."""
+    for scaling in ("current", "delayed"):
+        recipe = fp8.Fp8Recipe(scaling=scaling)
+        op = _layer(32, 16, True, torch.bfloat16, "cpu", recipe, gen)
+        ref = _layer(32, 16, True, torch.bfloat16, "cpu", recipe, gen)
+        ref.load_state_dict(op.state_dict())
+        for layer in (op, ref):
+            layer.weight.requires_grad_(needs == "weight")
+            layer.bias.requires_grad_(needs == "bias")
+        for step in range(2):
+            x = random_tensor((16, 32), torch.bfloat16, "cpu", gen, 2.0 ** step).requires_grad_(needs == "input")
+            dy = random_tensor((16, 16), torch.bfloat16, "cpu", gen)
+            outs = []
+            for run, layer in ((op, op), (lambda t: reference_linear(t, ref.weight, ref.bias, ref.fp8_state), ref)):
+                xi = x.detach().clone().requires_grad_(x.requires_grad)
+                if needs == "inference":
+                    with torch.inference_mode():
+                        y = run(xi)
+                else:
+                    y = run(xi)
+                if y.requires_grad:
+                    y.backward(dy)
+                grads = [t.grad for t in (xi, layer.weight, layer.bias)]
+                layer.weight.grad = layer.bias.grad = None
+                outs.append([y.detach().clone(), *grads, *layer.fp8_state.state_dict().values()])
+            for j, (g, e) in enumerate(zip(*outs, strict=True)):
+                _equal(g, e, f"{scaling} step {step} output {j}")
 
 
 def _cast64(t, scale, dtype):
@@ -230,5 +262,5 @@ def test_cuda_op_matches_the_cpu_emulation(scaling, gen):
         for j, (ga, gb) in enumerate(zip(a, b)):
             if j >= len(a) - 3:
                 _equal(gb.cpu(), ga, f"step {step} state {j}")
-            else:
-                torch.testing.assert_close(gb.cpu().float(), ga.float(), rtol=2 ** -7, atol=1e-3)
+            else:  # a bf16 rounding may flip where the two fp32 sums differ in their last bits
+                assert rel_err(gb, ga) < 2 ** -8, f"step {step} output {j}"
