@@ -37,11 +37,18 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
                          at::ScalarType out_dtype, const std::optional<at::Tensor>& bias = std::nullopt,
                          std::optional<bool> emulate = std::nullopt);
 
+// fp8_linear's parameters as each of its kernels takes them (the schema in ops/library.cpp), and
+// the same names as arguments: the op has three kernels (autograd, below autograd, Meta).
+#define MIXPREC_FP8_LINEAR_PARAMS                                                                                   \
+  const at::Tensor &input, const at::Tensor &weight, const std::optional<at::Tensor>&bias, const at::Tensor &scale, \
+      const at::Tensor &amax, const at::Tensor &amax_history, at::ScalarType forward_dtype,                         \
+      at::ScalarType backward_dtype, bool delayed, double margin, c10::string_view reduction,                       \
+      std::optional<c10::string_view> group_name, const std::optional<at::Tensor>&saturation
+#define MIXPREC_FP8_LINEAR_ARGS                                                                              \
+  input, weight, bias, scale, amax, amax_history, forward_dtype, backward_dtype, delayed, margin, reduction, \
+      group_name, saturation
+
 // fp8_linear's Meta kernel: every check of the real op, and the output shape.
-at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                           const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& amax_history,
-                           at::ScalarType forward_dtype, at::ScalarType backward_dtype, bool delayed, double margin,
-                           c10::string_view reduction, std::optional<c10::string_view> group_name,
-                           const std::optional<at::Tensor>& saturation);
+at::Tensor fp8_linear_meta(MIXPREC_FP8_LINEAR_PARAMS);
 
 }  // namespace mixprec::detail

@@ -201,14 +201,17 @@ at::Tensor unflatten(const at::Tensor& y2, c10::SymIntArrayRef leading_like, con
   return y2.view_symint(out_shape);
 }
 
-Spec spec_of(at::ScalarType forward_dtype, at::ScalarType backward_dtype, bool delayed, double margin,
-             c10::string_view reduction, const std::optional<c10::string_view>& group_name) {
-  return {forward_dtype,
-          backward_dtype,
-          delayed,
-          margin,
-          std::string(reduction),
-          group_name ? std::optional<std::string>(std::string(*group_name)) : std::nullopt};
+// Every argument checked, before anything is written (a refused call changes nothing), and the
+// recipe they spell.
+Spec checked_spec(MIXPREC_FP8_LINEAR_PARAMS) {
+  Spec s{forward_dtype,
+         backward_dtype,
+         delayed,
+         margin,
+         std::string(reduction),
+         group_name ? std::optional<std::string>(std::string(*group_name)) : std::nullopt};
+  check_args(input, weight, bias, scale, amax, amax_history, s, saturation);
+  return s;
 }
 
 // y = x W^T + b; backward casts the output gradient to the backward dtype. What backward keeps is
@@ -274,26 +277,15 @@ class Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   }
 };
 
-at::Tensor fp8_linear_no_autograd(const at::Tensor& input, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias, const at::Tensor& scale,
-                                  const at::Tensor& amax, const at::Tensor& amax_history, at::ScalarType forward_dtype,
-                                  at::ScalarType backward_dtype, bool delayed, double margin,
-                                  c10::string_view reduction, std::optional<c10::string_view> group_name,
-                                  const std::optional<at::Tensor>& saturation) {
-  const Spec s = spec_of(forward_dtype, backward_dtype, delayed, margin, reduction, group_name);
-  check_args(input, weight, bias, scale, amax, amax_history, s, saturation);
+at::Tensor fp8_linear_no_autograd(MIXPREC_FP8_LINEAR_PARAMS) {
+  const Spec s = checked_spec(MIXPREC_FP8_LINEAR_ARGS);
   const Forward f =
       run_forward(flat_input(input, weight), weight, bias, scale, amax, amax_history, s, false, false, saturation);
   return unflatten(f.y, input.sym_sizes(), weight.sym_size(0));
 }
 
-at::Tensor fp8_linear_autograd(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                               const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& amax_history,
-                               at::ScalarType forward_dtype, at::ScalarType backward_dtype, bool delayed, double margin,
-                               c10::string_view reduction, std::optional<c10::string_view> group_name,
-                               const std::optional<at::Tensor>& saturation) {
-  const Spec s = spec_of(forward_dtype, backward_dtype, delayed, margin, reduction, group_name);
-  check_args(input, weight, bias, scale, amax, amax_history, s, saturation);
+at::Tensor fp8_linear_autograd(MIXPREC_FP8_LINEAR_PARAMS) {
+  const Spec s = checked_spec(MIXPREC_FP8_LINEAR_ARGS);
   // Only the transposes a gradient will read are written (apply runs forward with grad off).
   const bool grad = at::GradMode::is_enabled();
   return Fp8LinearFunction::apply(input, weight, bias, scale, amax, amax_history, s, grad && input.requires_grad(),
@@ -319,13 +311,8 @@ at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Ten
   return y.to(out_dtype);
 }
 
-at::Tensor fp8_linear_meta(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                           const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& amax_history,
-                           at::ScalarType forward_dtype, at::ScalarType backward_dtype, bool delayed, double margin,
-                           c10::string_view reduction, std::optional<c10::string_view> group_name,
-                           const std::optional<at::Tensor>& saturation) {
-  const Spec s = spec_of(forward_dtype, backward_dtype, delayed, margin, reduction, group_name);
-  check_args(input, weight, bias, scale, amax, amax_history, s, saturation);
+at::Tensor fp8_linear_meta(MIXPREC_FP8_LINEAR_PARAMS) {
+  checked_spec(MIXPREC_FP8_LINEAR_ARGS);
   std::vector<c10::SymInt> out_shape(input.sym_sizes().begin(), input.sym_sizes().end());
   out_shape.back() = weight.sym_size(0);
   return at::empty_symint(out_shape, input.options());
