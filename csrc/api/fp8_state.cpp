@@ -1,6 +1,5 @@
-// mixprec::fp8 recipes and scaling state (include/mixprec/fp8.h): the casts with their scale
-// updates, on the device, in the order python/mixprec/fp8/state.py runs them (same numerics), and
-// the state's checkpoints.
+// mixprec::fp8 recipes and scaling state (include/mixprec/fp8.h): the recipe's checks, the state's
+// device tensors and its checkpoints (the casts that update it are the fp8_linear op's).
 #include <mixprec/fp8.h>
 
 #include "ops/format.h"
@@ -9,9 +8,6 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
-#include <limits>
-
-#include <mixprec/ops.h>
 
 namespace mixprec::fp8 {
 
@@ -60,36 +56,6 @@ void ScalingState::to(c10::Device device) {
   amax = amax.to(device);
   amax_history = amax_history.to(device);
 }
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ScalingState::quantize(const at::Tensor& x, int64_t role,
-                                                                      bool transpose) {
-  MIXPREC_CHECK_VALUE(role >= kInput && role <= kGradOutput,
-                      "mixprec::fp8::ScalingState::quantize: role must be 0, 1 or 2, got ", mixprec::detail::num(role));
-  return detail::quantize_row(x, scale.narrow(0, role, 1), amax.narrow(0, role, 1), amax_history.select(0, role),
-                              dtype_of(role), recipe_.scaling(), recipe_.margin(), recipe_.amax_reduction(), transpose);
-}
-
-namespace detail {
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_row(const at::Tensor& x, const at::Tensor& s,
-                                                            const at::Tensor& a, const at::Tensor& h,
-                                                            c10::ScalarType dtype, Scaling scaling, double margin,
-                                                            const std::string& reduction, bool transpose) {
-  at::Tensor out, out_t;
-  if (scaling == Scaling::kCurrent) {
-    mixprec::fp8_amax_(x, a);
-    mixprec::fp8_update_scale_(s, h, a, dtype, margin, "most_recent");
-    std::tie(out, out_t) = mixprec::fp8_quantize(x, s, dtype, transpose);
-  } else {
-    mixprec::fp8_update_scale_(s, h, a, dtype, margin, reduction);
-    std::tie(out, out_t) = mixprec::fp8_quantize(x, s, dtype, transpose, a);
-  }
-  // The GEMM's dequantization factor; NaN when x held inf/NaN (the cast saturated those, and the
-  // output must still show them to a loss scaler). Current scaling's amax is in the history now.
-  const at::Tensor seen = scaling == Scaling::kDelayed ? a : h.narrow(0, 0, 1);
-  const at::Tensor inv = at::where(seen.isfinite(), s.reciprocal(), std::numeric_limits<double>::quiet_NaN());
-  return {out, out_t, inv};
-}
-}  // namespace detail
 
 void ScalingState::save(torch::serialize::OutputArchive& archive) const {
   archive.write("scale", scale, /*is_buffer=*/true);

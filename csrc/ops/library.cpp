@@ -115,6 +115,27 @@ TORCH_LIBRARY(mixprec, m) {
   m.def(
       "fp8_update_scale_(Tensor(a!) scale, Tensor(b!) amax_history, Tensor(c!) amax, ScalarType dtype, "
       "float margin=0., str reduction=\"max\") -> ()");
+  // A Linear's three GEMMs on FP8 operands (ops/fp8_linear.cpp), differentiable: y = x W^T + b with
+  // x and W cast to forward_dtype, and in backward the output gradient to backward_dtype; fp32
+  // accumulation, outputs in input's dtype (dW in weight's). scale, amax [3] and amax_history
+  // [3, L] (float32; rows input, weight, grad_output) are the scaling state, updated on the device
+  // with no host sync: current scaling (delayed=False) measures each tensor's amax just before its
+  // cast, delayed scaling takes the scale from the history (reduced by `reduction`, the scales
+  // divided by 2^margin) and records the amax during the cast. With group_name, current scaling's
+  // amaxes are all-reduced with MAX over that process group (one collective per call and
+  // direction). saturation [3, 2] float64, when given, accumulates (elements, clipped elements)
+  // per row. in/out_features and the token count must be multiples of 16. The bias gradient is
+  // the unquantized gradient's sum.
+  m.def(
+      "fp8_linear(Tensor input, Tensor weight, Tensor? bias, Tensor(a!) scale, Tensor(b!) amax, "
+      "Tensor(c!) amax_history, ScalarType forward_dtype, ScalarType backward_dtype, bool delayed=False, "
+      "float margin=0., str reduction=\"max\", str? group_name=None, Tensor(d!)? saturation=None) -> Tensor");
+  // (a * scale_a) @ (b * scale_b) (+ bias) for FP8 a (row-major) and b (column-major), fp32
+  // accumulation, rounded once to out_dtype: torch._scaled_mm, or with emulate (default: off
+  // CUDA) the FP8 values widened exactly to fp32 and one fp32 matmul, the same numerics.
+  m.def(
+      "fp8_scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, Tensor? bias=None, "
+      "bool? emulate=None) -> Tensor");
 
   // ---- norms (kernels/norm.*) ---------------------------------------------------------------
   // Returns (total, per_tensor): the norm (ord 2 or inf) of all tensors together as a 0-dim

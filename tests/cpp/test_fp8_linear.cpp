@@ -1,6 +1,7 @@
 // mixprec::fp8 for LibTorch (include/mixprec/fp8.h): outputs and both gradients against a float64
 // model of the same casts (python's test_fp8_linear.py numerics), delayed scaling's history,
-// inf/NaN, fallback, state round trips and refusals, convert() and amp::initialize with fp8.
+// inf/NaN, fallback, state round trips and refusals, convert() and amp::initialize with fp8; and
+// the python front's saved results reproduced bit for bit (both fronts run one op).
 #include <gtest/gtest.h>
 #include <mixprec/amp.h>
 #include <mixprec/fp8.h>
@@ -9,7 +10,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "test_support.h"
 
@@ -62,6 +67,52 @@ TEST_P(Fp8Linear, OutputsAndGradsMatchAFloat64ModelOfTheSameCasts) {
                          fp8::fp8_max(recipe.backward_dtype())},
                         at::kFloat);
       EXPECT_TRUE(bitwise_equal(state.scale.cpu(), maxes / amax));
+    }
+  }
+}
+
+// The two fronts run one op: fp8::Linear reproduces, bit for bit, the outputs, gradients and
+// scaling state that python's Fp8Linear computed before the op existed (the fixture of
+// tests/python/test_fp8_linear_op.py, written by tests/python/fixtures/make_fp8_linear_before.py).
+TEST(Fp8LinearFronts, CppFrontReproducesThePythonFrontsSavedResultsBitForBit) {
+  std::ifstream in(std::string(MIXPREC_TEST_FIXTURES) + "/../../python/fixtures/fp8_linear_before.pt",
+                   std::ios::binary);
+  ASSERT_TRUE(in.good());
+  const std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const c10::Dict<c10::IValue, c10::IValue> cases = torch::pickle_load(data).toGenericDict();
+  ASSERT_EQ(cases.size(), 5u);
+  const auto same = [](const at::Tensor& got, const c10::IValue& want) {
+    return want.isNone() ? !got.defined() : got.defined() && at::equal(got, want.toTensor());
+  };
+  for (const auto& kv : cases) {
+    const auto c = kv.value().toGenericDict();
+    SCOPED_TRACE(kv.key().toStringRef());
+    fp8::Recipe recipe;
+    recipe.scaling(c.at("scaling").toStringRef() == "delayed" ? fp8::Scaling::kDelayed : fp8::Scaling::kCurrent)
+        .backward_dtype(c.at("backward_dtype").toStringRef() == "torch.float8_e4m3fn" ? c10::kFloat8_e4m3fn
+                                                                                      : c10::kFloat8_e5m2)
+        .amax_history_len(c.at("amax_history_len").toInt())
+        .amax_reduction(c.at("amax_reduction").toStringRef())
+        .margin(c.at("margin").toDouble());
+    fp8::ScalingState state(recipe);
+    const at::Tensor w = c.at("weight").toTensor().clone().requires_grad_();
+    const at::Tensor b = c.at("bias").isNone() ? at::Tensor() : c.at("bias").toTensor().clone().requires_grad_();
+    int step = 0;
+    for (const c10::IValue& entry : c.at("steps").toList()) {
+      SCOPED_TRACE("step " + std::to_string(step++));
+      const auto s = entry.toGenericDict();
+      const at::Tensor x = s.at("x").toTensor().clone().requires_grad_();
+      const at::Tensor y = fp8::linear(x, w, b, state);
+      y.backward(s.at("dy").toTensor());
+      EXPECT_TRUE(same(y.detach(), s.at("y")));
+      EXPECT_TRUE(same(x.grad(), s.at("dx")));
+      EXPECT_TRUE(same(w.grad(), s.at("dw")));
+      EXPECT_TRUE(same(b.defined() ? b.grad() : at::Tensor(), s.at("db")));
+      EXPECT_TRUE(same(state.scale, s.at("scale")));
+      EXPECT_TRUE(same(state.amax, s.at("amax")));
+      EXPECT_TRUE(same(state.amax_history, s.at("amax_history")));
+      w.mutable_grad().reset();
+      if (b.defined()) b.mutable_grad().reset();
     }
   }
 }

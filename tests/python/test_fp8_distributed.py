@@ -1,7 +1,7 @@
 # FP8 scales agreed across ranks: 2 gloo ranks on the CPU training different shards under DDP end
 # with identical scales and histories, equal to one process on the concatenated batch; delayed
-# scaling reduces in one collective per direction; non-finite amaxes reach every rank; on CUDA
-# (NCCL) the reduction never syncs the host.
+# scaling reduces in one collective per step, current scaling in one per layer and direction;
+# non-finite amaxes reach every rank; on CUDA (NCCL) the reduction never syncs the host.
 from __future__ import annotations
 
 import copy
@@ -12,6 +12,7 @@ import torch
 from conftest import random_tensor
 from dist_support import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import fp8
 
@@ -63,6 +64,20 @@ def _train(model, runner, batches, rows, lr):
     return history
 
 
+class _CountOpCollectives(TorchDispatchMode):
+    """Sizes of the all-reduces mixprec::fp8_linear runs itself (torch's functional collectives,
+    called from C++): DDP's buckets and the Python reducer's go through other ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_reduce.default:
+            self.sizes.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
 def _count_collectives(monkeypatch_target):
     calls = []
     real = torch.distributed.all_reduce
@@ -80,14 +95,16 @@ def _rank(rank, world, device, scaling, seed):
 
     model = _model(seed, fp8.Fp8Recipe(scaling=scaling))
     runner = DDP(model)
-    # Counts the FP8 collectives only (DDP's bucket all-reduces go through the C++ reducer).
+    # Counts the FP8 collectives only (DDP's bucket all-reduces go through the C++ reducer): the
+    # Python reducer's (delayed scaling) and the op's own (current scaling).
     calls = _count_collectives(fp8_dist.dist)
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    history = _train(model, runner, _batches(seed, world), rows, lr=0.05 * world)
+    with _CountOpCollectives() as op_calls:
+        history = _train(model, runner, _batches(seed, world), rows, lr=0.05 * world)
     # A model whose recipe names a group deep-copies (the recipe is shared: groups do not copy).
     named = _model(seed, fp8.Fp8Recipe(scaling=scaling, process_group=torch.distributed.group.WORLD))
     assert copy.deepcopy(named)[0].fp8_state.recipe is named[0].fp8_state.recipe
-    return {"history": history, "calls": calls}
+    return {"history": history, "calls": calls, "op_calls": op_calls.sizes}
 
 
 @pytest.mark.parametrize("scaling", ("current", "delayed"))
@@ -108,13 +125,54 @@ def test_ranks_agree_and_match_one_process_on_the_concatenated_batch(scaling, se
                 # Equal up to the rounding in which DDP's averaged gradients differ from one process's.
                 torch.testing.assert_close(la[key], lb[key], rtol=1e-4 * step + 1e-6, atol=0,
                                            msg=lambda m: f"step {step} layer {layer} {key}: {m}")
-    calls = results[0]["calls"]
+    calls, op_calls = results[0]["calls"], results[0]["op_calls"]
     if scaling == "current":
-        assert len(calls) == STEPS * 2 * 3  # each cast: a scalar before it is used
+        # Inside the op: per layer, the input's and the weight's amaxes together in the forward,
+        # the output gradient's in the backward (layer 2's first there); nothing in Python.
+        assert calls == [] and op_calls == [2, 2, 1, 1] * STEPS
     else:
-        # One flattened buffer per direction and step (nothing pending at the first step): the
-        # forward's 2 layers x (input, weight) and the backward's 2 output gradients.
-        assert calls == [4, 2] * (STEPS - 1)
+        # One flattened buffer per step (nothing pending at the first step), in the next step's
+        # first forward: the 2 layers' forward rows (input, weight) and backward rows (grad).
+        assert op_calls == [] and calls == [6] * (STEPS - 1)
+
+
+def _microbatch_steps(model, batches, rows):
+    """Two forwards, then one backward through both graphs (gradient accumulation keeping both):
+    each layer casts twice before a backward, so the backward finds its own rows still pending."""
+    history = []
+    for (x, y), (x2, y2) in zip(batches, batches[1:]):
+        out, out2 = model(x[rows]), model(x2[rows])
+        ((out - y[rows]).pow(2).sum() + (out2 - y2[rows]).pow(2).sum()).div(x.shape[0]).backward()
+        history.append(_states(model))
+    return history
+
+
+def _microbatch_rank(rank, world, device, scaling, seed):
+    from mixprec.fp8 import distributed as fp8_dist
+
+    model = _model(seed, fp8.Fp8Recipe(scaling=scaling, amax_history_len=4))
+    calls = _count_collectives(fp8_dist.dist)
+    history = _microbatch_steps(model, _batches(seed, world), slice(rank * PER_RANK, (rank + 1) * PER_RANK))
+    return {"history": history, "calls": calls}
+
+
+@pytest.mark.parametrize("scaling", ("current", "delayed"))
+def test_casts_out_of_step_order_still_reduce_before_every_update(scaling, seed):
+    results = run_ranks(_microbatch_rank, scaling, seed)
+    ref_model = _model(seed, fp8.Fp8Recipe(scaling=scaling, amax_history_len=4))
+    ref = _microbatch_steps(ref_model, _batches(seed, len(results)), slice(None))
+    for r in results:
+        for step, (a, b) in enumerate(zip(r["history"], ref)):
+            for layer, (la, lb) in enumerate(zip(a, b)):
+                for key in la:
+                    torch.testing.assert_close(la[key], lb[key], rtol=1e-5, atol=0,
+                                               msg=lambda m: f"step {step} layer {layer} {key}: {m}")
+    if scaling == "delayed":
+        # A row is reduced just before an update would consume it while pending, together with
+        # every other pending row: the second forward (the first one's 4 rows, and from then on
+        # the previous backward's 2 as well) and the backward of the micro-batch that comes second
+        # (the 4 forward rows and the first backward's 2 grad rows); never one per cast.
+        assert results[0]["calls"] == [4, 6] + [6, 6] * (STEPS - 2)
 
 
 def _non_finite_rank(rank, world, device, scaling, seed):

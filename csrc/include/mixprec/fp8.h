@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -56,14 +55,12 @@ MIXPREC_API double fp8_max(c10::ScalarType dtype);  // 448 (E4M3) or 57344 (E5M2
 enum Role : int64_t { kInput = 0, kWeight = 1, kGradOutput = 2 };
 
 // One Linear's scaling state: float32 scale [3], amax [3] and amax_history [3, history_len] on
-// the device, rows in Role order; the same keys as python's Fp8ScalingState.state_dict().
+// the device, rows in Role order; the same keys as python's Fp8ScalingState.state_dict(). The
+// fp8_linear op (mixprec/ops.h) updates it in place with each cast.
 class MIXPREC_API ScalingState {
  public:
   explicit ScalingState(Recipe recipe = {}, c10::Device device = c10::kCPU);
 
-  // x (2-D, contiguous) cast to its role's dtype, with its transpose when asked: (x_fp8, x_fp8_t
-  // or undefined, dequantization factor: 1/scale, NaN if x held inf/NaN). No host sync.
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t role, bool transpose);
   c10::ScalarType dtype_of(int64_t role) const;
   const Recipe& recipe() const noexcept { return recipe_; }
   // Moves the buffers (a no-op when they are there already).
@@ -81,25 +78,17 @@ class MIXPREC_API ScalingState {
   Recipe recipe_;
 };
 
-namespace detail {
-// ScalingState::quantize on one role's row (views of the state: updated in place), for the
-// backward, which keeps the row rather than the state.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_row(const at::Tensor& x, const at::Tensor& scale,
-                                                            const at::Tensor& amax, const at::Tensor& history,
-                                                            c10::ScalarType dtype, Scaling scaling, double margin,
-                                                            const std::string& reduction, bool transpose);
-}  // namespace detail
-
 // (a * scale_a) @ (b * scale_b) (+ bias) for FP8 a (row-major) and b (column-major), fp32
 // accumulation, rounded once to out_dtype: at::_scaled_mm on CUDA, exact widening to fp32 and
-// an fp32 matmul elsewhere (or when emulate is true).
+// an fp32 matmul elsewhere (or when emulate is true). The fp8_scaled_mm op, as python's.
 MIXPREC_API at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                                  const at::Tensor& scale_b, c10::ScalarType out_dtype, const at::Tensor& bias = {},
                                  std::optional<bool> emulate = std::nullopt);
 
 // torch::nn::functional::linear through FP8 GEMMs with `state`'s scales where the shapes allow
 // (float input and weight, in/out features and token count multiples of 16), else plain linear
-// (counted in state.fallbacks). Differentiable: backward casts the output gradient.
+// (counted in state.fallbacks). Differentiable: backward casts the output gradient. The
+// mixprec::fp8_linear op, so python's Fp8Linear computes the same bits.
 MIXPREC_API at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
                               ScalingState& state);
 

@@ -321,4 +321,33 @@ inline void fp8_update_scale_(const at::Tensor& scale, const at::Tensor& amax_hi
   op.call(scale, amax_history, amax, dtype, margin, reduction);
 }
 
+// A Linear's three GEMMs on FP8 operands, differentiable, with the scaling state (scale, amax
+// [3], amax_history [3, L], float32) updated on the device: y = x W^T + b (fp8::linear and
+// python's Fp8Linear call it; the schema in csrc/ops/library.cpp has the details).
+inline at::Tensor fp8_linear(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             const at::Tensor& scale, const at::Tensor& amax, const at::Tensor& amax_history,
+                             c10::ScalarType forward_dtype, c10::ScalarType backward_dtype, bool delayed = false,
+                             double margin = 0.0, c10::string_view reduction = "max",
+                             std::optional<c10::string_view> group_name = std::nullopt,
+                             const std::optional<at::Tensor>& saturation = std::nullopt) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, c10::ScalarType, c10::ScalarType, bool, double,
+                         c10::string_view, std::optional<c10::string_view>, const std::optional<at::Tensor>&);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::fp8_linear", "").typed<Sig>();
+  return op.call(input, weight, bias, scale, amax, amax_history, forward_dtype, backward_dtype, delayed, margin,
+                 reduction, group_name, saturation);
+}
+
+// (a * scale_a) @ (b * scale_b) (+ bias), FP8 a row-major and b column-major, fp32 accumulation,
+// one rounding to out_dtype: at::_scaled_mm, or (emulate; default off CUDA) exact fp32 widening.
+inline at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                                const at::Tensor& scale_b, c10::ScalarType out_dtype,
+                                const std::optional<at::Tensor>& bias = std::nullopt,
+                                std::optional<bool> emulate = std::nullopt) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::ScalarType,
+                         const std::optional<at::Tensor>&, std::optional<bool>);
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::fp8_scaled_mm", "").typed<Sig>();
+  return op.call(a, b, scale_a, scale_b, out_dtype, bias, emulate);
+}
+
 }  // namespace mixprec

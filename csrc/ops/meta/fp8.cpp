@@ -25,6 +25,7 @@ TORCH_LIBRARY_IMPL(mixprec, Meta, m) {
   m.impl("fp8_quantize", &fp8_quantize_meta);
   m.impl("fp8_amax_", &fp8_amax_meta);
   m.impl("fp8_update_scale_", &fp8_update_scale_meta);
+  m.impl("fp8_linear", &fp8_linear_meta);
 }
 
 }  // namespace mixprec::detail

@@ -1,5 +1,8 @@
 """Ranks agree on FP8 scales: the amaxes the FP8 Linears measure are all-reduced with MAX over a
-process group before they become scales, on the device (stream-ordered collectives, no .item())."""
+process group before they become scales, on the device (stream-ordered collectives, no .item()).
+Current scaling reduces inside the op (csrc/ops/fp8_linear.cpp: one collective per call and
+direction, the input's and the weight's amaxes together); delayed scaling batches every layer's
+pending amaxes here, one collective per step."""
 
 from __future__ import annotations
 
@@ -32,34 +35,49 @@ def all_reduce_max_(amax: torch.Tensor, group) -> None:
 
 
 class _DelayedReducer:
-    """Delayed scaling's batched reduction for one process group. Each cast records its amax as
-    pending (the next update turns it into a scale); all pending amaxes of a direction are
-    all-reduced in one collective, flattened into one buffer, when the first of them is about to
-    be used: so one collective per forward and one per backward, whatever the number of layers.
-    The rows are in the order their casts ran, the same on every rank running the same model."""
+    """Delayed scaling's batched reduction for one process group: one collective per training step,
+    whatever the number of layers. Each cast's amax is pending from the cast that records it until
+    an update turns it into a scale, which is the next call's (the next forward for the input and
+    the weight, the next backward for the output gradient). When a layer is about to consume a
+    pending row, every pending row of every layer (both directions) is all-reduced in one flattened
+    buffer. In a training loop that is the first FP8 layer of each forward: the previous step's
+    forward and backward rows go together, and the backward then finds its rows reduced. The rows
+    are in the order their casts ran, the same on every rank running the same model."""
 
     def __init__(self, group) -> None:
         self.group = group
-        self.pending: dict[tuple[int, ...], list] = {FORWARD: [], BACKWARD: []}
-        self.marked: dict[tuple[int, ...], set] = {FORWARD: set(), BACKWARD: set()}
+        self.pending: list = []
+        self.marked: set = set()
 
-    def before_update(self, state, role: int) -> None:
-        """Reduces this direction's pending amaxes if ``state``'s row is among them."""
-        direction = BACKWARD if role in BACKWARD else FORWARD
-        if (id(state), role) not in self.marked[direction]:
+    def _reduce_if_pending(self, state, roles) -> None:
+        if not any((id(state), r) in self.marked for r in roles):
             return
-        rows = [s.amax[r:r + 1] for s, r in self.pending[direction]]
-        self.pending[direction], self.marked[direction] = [], set()
+        rows = [s.amax[r:r + 1] for s, r in self.pending]
+        self.pending, self.marked = [], set()
         buffer = torch.cat(rows)
         all_reduce_max_(buffer, self.group)
         torch._foreach_copy_(rows, list(buffer.split(1)))
 
-    def after_cast(self, state, role: int) -> None:
-        direction = BACKWARD if role in BACKWARD else FORWARD
-        key = (id(state), role)
-        if key not in self.marked[direction]:
-            self.marked[direction].add(key)
-            self.pending[direction].append((state, role))
+    def _mark(self, state, roles) -> None:
+        for role in roles:
+            key = (id(state), role)
+            if key not in self.marked:
+                self.marked.add(key)
+                self.pending.append((state, role))
+
+    def before_forward(self, state) -> None:
+        """Before the op casts ``state``'s input and weight rows."""
+        self._reduce_if_pending(state, FORWARD)
+
+    def after_forward(self, state, y: torch.Tensor) -> None:
+        """After the op cast them; the output gradient's cast (in the op's backward, C++) gets the
+        same treatment from a hook on ``y``, which runs just before that backward."""
+        self._mark(state, FORWARD)
+        if y.requires_grad:
+            def before_backward(grad):
+                self._reduce_if_pending(state, BACKWARD)
+                self._mark(state, BACKWARD)  # the cast runs next, before any other update can
+            y.register_hook(before_backward)
 
 
 _REDUCERS: dict[int, _DelayedReducer] = {}

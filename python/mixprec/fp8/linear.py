@@ -1,5 +1,6 @@
 """The FP8 Linear: forward and both backward GEMMs on FP8 operands (torch._scaled_mm on CUDA, an
-exact-cast emulation with fp32 matmuls on the CPU), per-tensor scales kept on the device."""
+exact-cast emulation with fp32 matmuls on the CPU), per-tensor scales kept on the device. The math
+is the C++ op mixprec::fp8_linear (csrc/ops/fp8_linear.cpp); this file is the module around it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .. import _ops_fp8
+from . import distributed
 from .recipe import Fp8Recipe
 from .state import Fp8ScalingState
 
@@ -35,69 +38,34 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     """``(a * scale_a) @ (b * scale_b) (+ bias)`` for FP8 ``a`` (row-major) and ``b`` (column-major),
     accumulated in fp32 and rounded once to ``out_dtype``. ``emulate`` (default: off CUDA) widens
     the FP8 values exactly to fp32 and multiplies there, as the tensor cores do, so the CPU checks
-    the same numerics; otherwise torch._scaled_mm."""
-    if emulate is None:
-        emulate = a.device.type != "cuda"
-    if emulate:
-        y = torch.mm(a.float(), b.float()).mul_(scale_a * scale_b)
-        if bias is not None:
-            y.add_(bias.float())
-        return y.to(out_dtype)
-    fuse_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
-    y = torch._scaled_mm(a, b, scale_a=scale_a.reshape(()), scale_b=scale_b.reshape(()),
-                         bias=bias if fuse_bias else None, out_dtype=out_dtype)
-    if bias is not None and not fuse_bias:
-        y = (y.float() + bias.float()).to(out_dtype)
-    return y
-
-
-class _Fp8LinearFunction(torch.autograd.Function):
-    """y = x W^T + b with x, W cast to the forward FP8 dtype and the output gradient to the
-    backward one. What backward keeps is FP8 (x^T and W^T, already in the column-major layout the
-    gradient GEMMs read) plus two scalars: a quarter of the bf16 activations' memory."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, state: Fp8ScalingState, need_dgrad: bool, need_wgrad: bool):
-        k, n = weight.shape[1], weight.shape[0]
-        x2 = x.reshape(-1, k).contiguous()
-        xq, xq_t, x_inv = state.quantize(x2, 0, transpose=need_wgrad)
-        wq, wq_t, w_inv = state.quantize(weight.contiguous(), 1, transpose=need_dgrad)
-        y = scaled_mm(xq, wq.t(), x_inv, w_inv, x.dtype, bias)
-        ctx.state, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = state, x.shape, x.dtype, weight.dtype
-        ctx.flags = (need_dgrad, need_wgrad, bias is not None and bias.requires_grad)
-        ctx.save_for_backward(xq_t, wq_t, x_inv, w_inv)
-        return y.view(*x.shape[:-1], n)
-
-    @staticmethod
-    def backward(ctx, dy):
-        xq_t, wq_t, x_inv, w_inv = ctx.saved_tensors
-        need_dgrad, need_wgrad, need_bgrad = ctx.flags
-        n = dy.shape[-1]
-        dy2 = dy.reshape(-1, n).contiguous()
-        dx = dw = db = None
-        if need_dgrad or need_wgrad:
-            gq, gq_t, g_inv = ctx.state.quantize(dy2, 2, transpose=need_wgrad)
-            if need_dgrad:
-                dx = scaled_mm(gq, wq_t.t(), g_inv, w_inv, ctx.x_dtype).view(ctx.x_shape)
-            if need_wgrad:
-                dw = scaled_mm(gq_t, xq_t.t(), g_inv, x_inv, ctx.w_dtype)
-        if need_bgrad:
-            db = dy2.float().sum(0).to(ctx.w_dtype)  # the unquantized gradient: a sum needs no FP8
-        return dx, dw, db, None, None, None
+    the same numerics; otherwise torch._scaled_mm. (The fp8_scaled_mm op, as the C++ front's.)"""
+    return _ops_fp8.fp8_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias, emulate)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], state: Fp8ScalingState):
     """``F.linear`` through FP8 GEMMs with ``state``'s scales, where the shapes allow (weight dims
-    and the token count multiples of 16, float inputs); otherwise plain ``F.linear``."""
+    and the token count multiples of 16, float inputs); otherwise plain ``F.linear``. The GEMMs,
+    casts and scale updates are the C++ op ``mixprec::fp8_linear`` (the C++ front's too); under a
+    process group the ranks' amaxes are reduced as :mod:`.distributed` describes."""
     k = weight.shape[1]
     tokens = x.numel() // k if k else 0
     if (x.dtype not in _FLOATS or weight.dtype not in _FLOATS or tokens == 0 or tokens % ALIGN
             or weight.shape[0] % ALIGN or k % ALIGN or x.shape[-1] != k):
         state.fallbacks += 1
         return F.linear(x, weight, bias)
-    grad = torch.is_grad_enabled()
-    return _Fp8LinearFunction.apply(x, weight, bias, state, grad and x.requires_grad,
-                                    grad and weight.requires_grad)
+    r = state.recipe
+    group = distributed.group_of(r)
+    delayed = r.scaling == "delayed"
+    reducer = distributed.delayed_reducer(group) if group is not None and delayed else None
+    if reducer is not None:
+        reducer.before_forward(state)
+    y = _ops_fp8.fp8_linear(x, weight, bias, state.scale, state.amax, state.amax_history, r.forward_dtype,
+                            r.backward_dtype, delayed=delayed, margin=r.margin, reduction=r.amax_reduction,
+                            group_name=group.group_name if group is not None and not delayed else None,
+                            saturation=state.saturation if state.track_saturation else None)
+    if reducer is not None:
+        reducer.after_forward(state, y)
+    return y
 
 
 class Fp8Linear(torch.nn.Linear):

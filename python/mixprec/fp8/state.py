@@ -1,14 +1,13 @@
 """The scaling state of one FP8 Linear: for each of its three cast tensors (input, weight, output
 gradient) a scale, the amax collected since the last update and an amax history, all on the
-device so that no step waits on the host; plus optional saturation counters for diagnostics."""
+device so that no step waits on the host; plus optional saturation counters for diagnostics.
+The op mixprec::fp8_linear updates these tensors in place as it casts."""
 
 from __future__ import annotations
 
 import torch
 
-from .. import _ops_fp8
-from . import distributed
-from .recipe import FP8_MAX, Fp8Recipe
+from .recipe import Fp8Recipe
 
 #: The cast tensors of a Linear, in the order of the state's rows.
 ROLES = ("input", "weight", "grad_output")
@@ -26,51 +25,13 @@ class Fp8ScalingState(torch.nn.Module):
         self.register_buffer("amax", torch.zeros(3, device=device))
         self.register_buffer("amax_history", torch.zeros(3, recipe.history_len, device=device))
         # Diagnostics (mixprec.diagnostics.fp8_report): element and saturated-element counts per
-        # role, counted only while track_saturation is on (it costs a pass over each cast).
+        # role, counted only for calls made while track_saturation is on (their backward included;
+        # it costs a pass over each cast).
         self.track_saturation = False
         self.register_buffer("saturation", torch.zeros(3, 2, dtype=torch.float64, device=device), persistent=False)
 
     def dtype_of(self, role: int) -> torch.dtype:
         return self.recipe.backward_dtype if role == 2 else self.recipe.forward_dtype
-
-    def _row(self, role: int):
-        return self.scale[role:role + 1], self.amax[role:role + 1], self.amax_history[role]
-
-    def quantize(self, x: torch.Tensor, role: int, transpose: bool):
-        """``x`` (2-D, contiguous) cast to its role's FP8 dtype, with its transpose when asked;
-        returns ``(x_fp8, x_fp8_t or None, inverse scale)``. Current scaling measures x first;
-        delayed scaling uses the history and records x's amax during the cast. Under a process
-        group (:func:`distributed.group_of`) the amaxes are the max over its ranks: current scaling
-        reduces each one before its cast (it exists only then), delayed scaling reduces all
-        pending ones of a direction in one collective before the first of them is used."""
-        scale, amax, history = self._row(role)
-        dtype = self.dtype_of(role)
-        r = self.recipe
-        group = distributed.group_of(r)
-        if r.scaling == "current":
-            _ops_fp8.fp8_amax_(x, amax)
-            if group is not None:
-                distributed.all_reduce_max_(amax, group)
-            _ops_fp8.fp8_update_scale_(scale, history, amax, dtype, r.margin, "most_recent")
-            out, out_t = _ops_fp8.fp8_quantize(x, scale, dtype, transpose=transpose)
-        else:
-            reducer = distributed.delayed_reducer(group) if group is not None else None
-            if reducer is not None:
-                reducer.before_update(self, role)
-            _ops_fp8.fp8_update_scale_(scale, history, amax, dtype, r.margin, r.amax_reduction)
-            out, out_t = _ops_fp8.fp8_quantize(x, scale, dtype, transpose=transpose, amax=amax)
-            if reducer is not None:
-                reducer.after_cast(self, role)
-        if self.track_saturation:
-            # Clipped, not merely at the max: under current scaling the amax element lands exactly there.
-            clipped = (x.float().abs() * scale > FP8_MAX[dtype]).sum().double()
-            counts = torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device), clipped])
-            self.saturation[role].add_(counts)
-        # The inverse is the dequantization factor _scaled_mm multiplies in (a device op, no sync).
-        # It is NaN when x held inf or NaN: the cast saturated those, and the GEMM's output must
-        # still show them (a loss scaler's overflow check, the NaN that stops a diverged run).
-        seen = amax if r.scaling == "delayed" else history[0:1]
-        return out, out_t, torch.where(seen.isfinite(), scale.reciprocal(), torch.nan)
 
     def last_amax(self) -> torch.Tensor:
         """The most recent amax of each role (history row 0, or the amax not yet pushed)."""
