@@ -8,9 +8,9 @@
 
 namespace mixprec::kernels {
 
-// TP: model param storage, TG: grad storage; momentum is float32, the master float32 or a
-// remainder (WeightMode). kStoreGrad: as AdamOp.
-template <typename TP, typename TG, bool kStoreGrad, int kPath> struct SgdOp {  // kPath: as AdamOp
+// TP: model param storage, TG: grad storage, TS: momentum storage (float, or TP as Apex's and
+// torch's fp16/bf16 SGD keep it); the master float32 or a remainder (WeightMode). kStoreGrad: as AdamOp.
+template <typename TP, typename TG, typename TS, bool kStoreGrad, int kPath> struct SgdOp {  // kPath: as AdamOp
   SgdParams p;
 
   __device__ void operator()(const TensorTable<kSgdLists>& table, const ChunkCtx& ctx) const {
@@ -20,11 +20,11 @@ template <typename TP, typename TG, bool kStoreGrad, int kPath> struct SgdOp {  
     // 16 bytes of the narrowest operand per vector. SGD streams at most three inputs, so each
     // thread keeps more vectors in flight than Adam does; 4 fp32 vectors would spill at the
     // 64-register cap of two blocks per SM, 3 do not.
-    constexpr int N = vec_elems<TP, TG, float>();
+    constexpr int N = vec_elems<TP, TG, TS>();
     constexpr int Ilp = N >= 8 ? 2 : 3;
     TP* param = chunk_ptr<TP>(table, ctx, kSgdParam);
     TG* grad = chunk_ptr<TG>(table, ctx, kSgdGrad);
-    float* momentum = chunk_ptr<float>(table, ctx, kSgdMomentum);
+    TS* momentum = chunk_ptr<TS>(table, ctx, kSgdMomentum);
     void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     // The first step overwrites the buffer without reading it (torch.optim.SGD's semantics), so it
     // saves that read and never sees what the buffer held.
@@ -39,7 +39,7 @@ template <typename TP, typename TG, bool kStoreGrad, int kPath> struct SgdOp {  
         const int64_t i = base + u * stride;
         load<TG, N>(grad, i, n, vec, g[u]);
         load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
-        if (read_momentum) load<float, N>(momentum, i, n, vec, m[u]);
+        if (read_momentum) load<TS, N>(momentum, i, n, vec, m[u]);
         else
 #pragma unroll
           for (int j = 0; j < N; ++j) m[u][j] = 0.f;
@@ -48,12 +48,12 @@ template <typename TP, typename TG, bool kStoreGrad, int kPath> struct SgdOp {  
 #pragma unroll
       for (int u = 0; u < Ilp; ++u)
 #pragma unroll
-        for (int j = 0; j < N; ++j) sgd_update(c, g[u][j], w[u][j], m[u][j]);
+        for (int j = 0; j < N; ++j) sgd_update(c, g[u][j], w[u][j], m[u][j], RoundTo<TS>{});
 #pragma unroll
       for (int u = 0; u < Ilp; ++u) {
         const int64_t i = base + u * stride;
         store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
-        if (c.use_momentum) store<float, N>(momentum, i, n, vec, m[u]);
+        if (c.use_momentum) store<TS, N>(momentum, i, n, vec, m[u]);
       }
     });
   }

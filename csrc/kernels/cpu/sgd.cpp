@@ -8,6 +8,16 @@
 namespace mixprec::kernels {
 namespace {
 
+// An fp32 value as a momentum buffer of dtype D holds it (kernels/sgd.h: the step uses that value).
+template <DType D> struct RoundTo {
+  MIXPREC_INLINE float operator()(float x) const {
+    if constexpr (D == DType::kFloat16) return cpu::half_to_float(cpu::float_to_half(x));
+    else if constexpr (D == DType::kBFloat16) return cpu::bf16_to_float(cpu::float_to_bf16(x));
+    else return x;
+  }
+};
+
+template <DType DM>
 MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& c, int64_t t, int64_t begin, int64_t n) {
   const TensorGroup& g = *p.group;
   alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile];
@@ -17,9 +27,9 @@ MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& c, 
     cpu::load_weights(p.weights, g, t, at, len, w);
     if (c.use_momentum) {
       // The first step sets the buffer without reading it (torch.optim.SGD's semantics).
-      if (!c.first_step) cpu::load_tile(DType::kFloat32, g.ptrs[kSgdMomentum][t], at, len, m);
-      for (int64_t i = 0; i < len; ++i) sgd_update(c, grad[i], w[i], m[i]);
-      cpu::store_tile(DType::kFloat32, m, g.ptrs[kSgdMomentum][t], at, len);
+      if (!c.first_step) cpu::load_tile(DM, g.ptrs[kSgdMomentum][t], at, len, m);
+      for (int64_t i = 0; i < len; ++i) sgd_update(c, grad[i], w[i], m[i], RoundTo<DM>{});
+      cpu::store_tile(DM, m, g.ptrs[kSgdMomentum][t], at, len);
     } else {
       for (int64_t i = 0; i < len; ++i) {
         float unused = 0.f;  // a local, so the loop carries no store the vectorizer must keep
@@ -38,7 +48,9 @@ void sgd_cpu(const SgdParams& p, int64_t chunk_begin, int64_t chunk_end) {
   const SgdCoefficients c = sgd_coefficients(p);
   for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const ChunkRef r = resolve_chunk(*p.group, chunk);
-    sgd_chunk(p, c, r.tensor, r.begin, r.size);
+    // Momentum storage as a template argument: its rounding sits in the vectorized update loop.
+    cpu::with_dtype(p.group->dtypes[kSgdMomentum],
+                    [&](auto tag) { sgd_chunk<decltype(tag)::value>(p, c, r.tensor, r.begin, r.size); });
   }
 }
 
