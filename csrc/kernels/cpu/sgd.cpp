@@ -18,27 +18,13 @@ template <DType D> struct RoundTo {
 };
 
 template <DType DM>
-MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& c, int64_t t, int64_t begin, int64_t n) {
-  const TensorGroup& g = *p.group;
-  alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile];
-  for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
-    const int64_t len = std::min(cpu::kTile, begin + n - at);
-    cpu::load_tile(g.dtypes[kSgdGrad], g.ptrs[kSgdGrad][t], at, len, grad);
-    cpu::load_weights(p.weights, g, t, at, len, w);
-    if (c.use_momentum) {
-      // The first step sets the buffer without reading it (torch.optim.SGD's semantics).
-      if (!c.first_step) cpu::load_tile(DM, g.ptrs[kSgdMomentum][t], at, len, m);
-      for (int64_t i = 0; i < len; ++i) sgd_update(c, grad[i], w[i], m[i], RoundTo<DM>{});
-      cpu::store_tile(DM, m, g.ptrs[kSgdMomentum][t], at, len);
-    } else {
-      for (int64_t i = 0; i < len; ++i) {
-        float unused = 0.f;  // a local, so the loop carries no store the vectorizer must keep
-        sgd_update(c, grad[i], w[i], unused);
-      }
-    }
-    if (stores_unscaled_grads(p.scalars)) cpu::store_tile(g.dtypes[kSgdGrad], grad, g.ptrs[kSgdGrad][t], at, len);
-    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
-  }
+MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& coefficients, int64_t t, int64_t begin,
+                                  int64_t n) {
+  const SgdCoefficients c = coefficients;  // a local copy: see cpu::stream_tiles
+  // The first step sets the buffer without reading it (torch.optim.SGD's semantics).
+  const cpu::TileState momentum[] = {{kSgdMomentum, c.use_momentum && !c.first_step, c.use_momentum}};
+  cpu::stream_tiles(p.weights, p.scalars, *p.group, kSgdGrad, momentum, t, begin, n,
+                    [&](float& g, float& w, float& m) { sgd_update(c, g, w, m, RoundTo<DM>{}); });
 }
 
 }  // namespace
