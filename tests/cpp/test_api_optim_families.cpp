@@ -226,11 +226,11 @@ TEST_P(ApiFamilies, SGDMomentumInParamDtypeIsTorchSGDBitForBit) {
   SKIP_WITHOUT_KERNEL("sgd_");
   for (const auto dtype : {at::kHalf, at::kBFloat16}) {
     auto ps = make_params({{37}, {5, 7}}, dtype, device());
-    auto ref = copies(ps);
+    auto ref = copies(ps, dtype);
     FusedSGD ours(ps, FusedSGDOptions(0.25).momentum(0.125).nesterov(true).state_dtype(kMomentumInParamDtype));
     torch::optim::SGD peer(ref, torch::optim::SGDOptions(0.25).momentum(0.125).nesterov(true));
     for (int step = 0; step < 6; ++step) {
-      const auto gs = random_grads(ps);
+      const auto gs = random_grads(ps, dtype);
       set_grads(ps, gs);
       set_grads(ref, gs);
       ours.step();
@@ -252,7 +252,7 @@ TEST_P(ApiFamilies, SGDMomentumInParamDtypeIsTorchSGDBitForBit) {
       auto qs = make_params({{9}}, dtype, device());
       auto o = FusedSGDOptions(0.1).momentum(0.9).master_weights(master);
       FusedSGD opt(qs, master ? o.state_dtype(kMomentumInParamDtype) : o);
-      set_grads(qs, random_grads(qs));
+      set_grads(qs, random_grads(qs, dtype));
       opt.step();
       EXPECT_EQ(static_cast<FusedSGDParamState&>(*opt.state().at(qs[0].unsafeGetTensorImpl()))
                     .momentum_buffer()

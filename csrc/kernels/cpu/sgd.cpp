@@ -32,10 +32,12 @@ MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& coe
 void sgd_cpu(const SgdParams& p, int64_t chunk_begin, int64_t chunk_end) {
   if (step_skipped(p.scalars)) return;
   const SgdCoefficients c = sgd_coefficients(p);
+  // Momentum storage as a template argument: its rounding sits in the vectorized update loop.
+  // Without momentum the list stands in with the params and nothing is rounded (float32), as on CUDA.
+  const DType momentum_dtype = c.use_momentum ? p.group->dtypes[kSgdMomentum] : DType::kFloat32;
   for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const ChunkRef r = resolve_chunk(*p.group, chunk);
-    // Momentum storage as a template argument: its rounding sits in the vectorized update loop.
-    cpu::with_dtype(p.group->dtypes[kSgdMomentum],
+    cpu::with_dtype(momentum_dtype,
                     [&](auto tag) { sgd_chunk<decltype(tag)::value>(p, c, r.tensor, r.begin, r.size); });
   }
 }
