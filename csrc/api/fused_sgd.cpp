@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <unordered_set>
 
 #include "api/fused_options_impl.h"
@@ -11,6 +12,11 @@
 namespace mixprec::optim {
 
 using namespace mixprec::detail::api;
+
+// Checkpoints from before state_dtype keep the options' value (float32 buffers, as they had).
+template <> struct internal::LaterOwnFields<FusedSGDOptions> {
+  static bool has(const char* key) { return std::strcmp(key, "state_dtype") == 0; }
+};
 
 template class FusedOptionsFor<FusedSGDOptions, SgdArgs>;
 
