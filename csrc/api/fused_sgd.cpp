@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <unordered_set>
 
 #include "api/fused_options_impl.h"
@@ -11,6 +12,11 @@
 namespace mixprec::optim {
 
 using namespace mixprec::detail::api;
+
+// Checkpoints from before state_dtype keep the options' value (float32 buffers, as they had).
+template <> struct internal::LaterOwnFields<FusedSGDOptions> {
+  static bool has(const char* key) { return std::strcmp(key, "state_dtype") == 0; }
+};
 
 template class FusedOptionsFor<FusedSGDOptions, SgdArgs>;
 
@@ -21,6 +27,22 @@ void FusedSGDOptions::check(const std::string& where) const {
   MIXPREC_CHECK_VALUE(std::isfinite(dampening()), where, ": invalid dampening ", detail::num(dampening()));
   MIXPREC_CHECK_VALUE(!nesterov() || (momentum() > 0 && dampening() == 0), where,
                       ": Nesterov momentum requires a momentum and zero dampening");
+  MIXPREC_CHECK_VALUE(state_dtype() == c10::kFloat || state_dtype() == kMomentumInParamDtype, where,
+                      ": state_dtype must be float32 or kMomentumInParamDtype, got ", c10::toString(state_dtype()));
+}
+
+c10::ScalarType FusedSGD::momentum_dtype(const at::Tensor& param, const FusedSGDOptions& o) {
+  const bool low = param.scalar_type() != at::kFloat;
+  if (o.state_dtype() == c10::kFloat || (low && (o.master_weights() || o.master_remainder()))) return at::kFloat;
+  return param.scalar_type();
+}
+
+at::Tensor FusedSGD::checked_state_tensor(const std::string& where, const std::string&, const at::Tensor& value,
+                                          const at::Tensor& param, const FusedOptions& options) const {
+  // float32 or the param's dtype (torch::optim::SGD's checkpoints), converted to the group's choice.
+  MIXPREC_CHECK_TYPE(value.scalar_type() == at::kFloat || value.scalar_type() == param.scalar_type(), where,
+                     " must be float32 or the param's ", param.scalar_type(), ", got ", value.scalar_type());
+  return value.to(momentum_dtype(param, options_as(options)));
 }
 
 FusedSGD::FusedSGD(const std::vector<torch::optim::OptimizerParamGroup>& param_groups, FusedSGDOptions defaults)
@@ -42,7 +64,7 @@ void FusedSGD::step_group(size_t, const GroupLists& l, const FusedOptions& optio
     const auto& buffers = l.slot("momentum_buffer");
     for (size_t k = 0; k < params.size(); ++k) {
       if (buffers[k].defined()) continue;
-      state_as<FusedSGDParamState>(params[k]).momentum_buffer(state_zeros(params[k]));
+      state_as<FusedSGDParamState>(params[k]).momentum_buffer(state_zeros(params[k], momentum_dtype(params[k], o)));
       fresh.insert(params[k].unsafeGetTensorImpl());
     }
   }

@@ -3,8 +3,7 @@
 #pragma once
 
 #include "kernels/lamb.h"
-#include "kernels/multi_tensor.cuh"
-#include "kernels/optim_common.cuh"
+#include "kernels/optim_stream.cuh"
 
 namespace mixprec::kernels {
 
@@ -29,51 +28,20 @@ struct LambMomentsOp {
     const LambCoefficients c = lamb_coefficients(p);
     constexpr int N = LambShape<TP, TG>::N;
     constexpr int Ilp = LambShape<TP, TG>::Ilp;
-    TP* param = chunk_ptr<TP>(table, ctx, kLambParam);
-    TG* grad = chunk_ptr<TG>(table, ctx, kLambGrad);
-    float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
-    float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
-    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
     const int n = ctx.n;
-    [[maybe_unused]] const uint32_t key =
-        chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
-    const bool vec = ctx.vec_ok;
     float w_sq = 0.f, u_sq = 0.f;
-    for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
-      float g[Ilp][N], w[Ilp][N], m[Ilp][N], v[Ilp][N];
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u) {
-        const int64_t i = base + u * stride;
-        load<TG, N>(grad, i, n, vec, g[u]);
-        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
-        load<float, N>(exp_avg, i, n, vec, m[u]);
-        load<float, N>(exp_avg_sq, i, n, vec, v[u]);
-      }
-      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u) {
-        const int64_t i = base + u * stride;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-          const float d = lamb_moments(c, g[u][j], w[u][j], m[u][j], v[u][j]);
+    const StateRole moments[] = {{kLambExpAvg}, {kLambExpAvgSq}};
+    OptimStream<TP, TG, float, N, Ilp, kPath, kStoreGrad, Apply ? 0 : kStreamKeepWeight>::run(
+        table, ctx, p.weights, p.scalars, kLambParam, kLambGrad, c.inv_scale, moments,
+        [&](int64_t i, float& g, float& w, float& m, float& v) {
+          const float d = lamb_moments(c, g, w, m, v);
           if constexpr (Apply) {
-            w[u][j] -= c.lr * d;
-          } else if (i + j < n) {  // lanes past the end hold zeros, but their u is 0/0 when eps == 0
-            w_sq = fmaf(w[u][j], w[u][j], w_sq);
+            w -= c.lr * d;
+          } else if (i < n) {  // lanes past the end hold zeros, but their u is 0/0 when eps == 0
+            w_sq = fmaf(w, w, w_sq);
             u_sq = fmaf(d, d, u_sq);
           }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u) {
-        const int64_t i = base + u * stride;
-        store<float, N>(exp_avg, i, n, vec, m[u]);
-        store<float, N>(exp_avg_sq, i, n, vec, v[u]);
-        if constexpr (Apply) {
-          store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
-        }
-      }
-    });
+        });
     if constexpr (Apply) return;
     // Every thread of the block reaches both reductions.
     w_sq = block_reduce_sum(w_sq);
@@ -95,32 +63,11 @@ template <typename TP, int kPath> struct LambApplyOp {
     const float step_size = lamb_step_size(c.lr, p.param_norms[ctx.arg_index], p.update_norms[ctx.arg_index]);
     constexpr int N = LambShape<TP, float>::N;
     constexpr int Ilp = LambShape<TP, float>::Ilp;
-    TP* param = chunk_ptr<TP>(table, ctx, kLambParam);
-    const float* exp_avg = chunk_ptr<float>(table, ctx, kLambExpAvg);
-    const float* exp_avg_sq = chunk_ptr<float>(table, ctx, kLambExpAvgSq);
-    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
-    const int n = ctx.n;
-    const uint32_t key = chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
-    const bool vec = ctx.vec_ok;
-    for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
-      float w[Ilp][N], m[Ilp][N], v[Ilp][N];
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u) {
-        const int64_t i = base + u * stride;
-        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
-        load<float, N>(exp_avg, i, n, vec, m[u]);
-        load<float, N>(exp_avg_sq, i, n, vec, v[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u)
-#pragma unroll
-        for (int j = 0; j < N; ++j) w[u][j] -= step_size * lamb_direction(c, m[u][j], v[u][j], w[u][j]);
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u) {
-        const int64_t i = base + u * stride;
-        store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
-      }
-    });
+    // Moments read, never written; the gradient never read.
+    const StateRole moments[] = {{kLambExpAvg, true, false}, {kLambExpAvgSq, true, false}};
+    OptimStream<TP, float, float, N, Ilp, kPath, false, kStreamNoGrad>::run(
+        table, ctx, p.weights, p.scalars, kLambParam, kLambGrad, 1.f, moments,
+        [&](int64_t, float&, float& w, float& m, float& v) { w -= step_size * lamb_direction(c, m, v, w); });
   }
 };
 

@@ -3,9 +3,8 @@
 // (see kernels/novograd.h for the update rule).
 #pragma once
 
-#include "kernels/multi_tensor.cuh"
 #include "kernels/novograd.h"
-#include "kernels/optim_common.cuh"
+#include "kernels/optim_stream.cuh"
 
 namespace mixprec::kernels {
 
@@ -43,34 +42,10 @@ struct NovoGradOp {
     // registers under the two-blocks-per-SM budget (three fp32 operands per element).
     constexpr int N = vec_elems<TP, TG, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
-    TP* param = chunk_ptr<TP>(table, ctx, kNovoGradParam);
-    TG* grad = chunk_ptr<TG>(table, ctx, kNovoGradGrad);
-    float* exp_avg = chunk_ptr<float>(table, ctx, kNovoGradExpAvg);
-    void* master = master_chunk<kPath>(p.weights, table, ctx);  // fp32 masters or 16-bit remainders
-    const int n = ctx.n;
-    const uint32_t key = chunk_rounding_key<kPath>(p.weights, p.scalars, ctx);  // stochastic rounding only
-    const bool vec = ctx.vec_ok;
-    for_each_vector_group<N, Ilp>(n, [&](int64_t base, int stride) {
-      float g[Ilp][N], w[Ilp][N], m[Ilp][N];
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u) {
-        const int64_t i = base + u * stride;
-        load<TG, N>(grad, i, n, vec, g[u]);
-        load_weight<false, kPath, TP, N>(p.weights, param, master, i, n, vec, w[u]);
-        load<float, N>(exp_avg, i, n, vec, m[u]);
-      }
-      if constexpr (kStoreGrad) store_unscaled_grads<false>(grad, base, stride, n, vec, c.inv_scale, g);
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u)
-#pragma unroll
-        for (int j = 0; j < N; ++j) novograd_update<RegInsideMoment>(c, denom, g[u][j], w[u][j], m[u][j]);
-#pragma unroll
-      for (int u = 0; u < Ilp; ++u) {
-        const int64_t i = base + u * stride;
-        store_weight<false, kPath, TP, N>(p.weights, key, ctx.begin, param, master, i, n, vec, w[u]);
-        store<float, N>(exp_avg, i, n, vec, m[u]);
-      }
-    });
+    const StateRole exp_avg[] = {{kNovoGradExpAvg}};
+    OptimStream<TP, TG, float, N, Ilp, kPath, kStoreGrad>::run(
+        table, ctx, p.weights, p.scalars, kNovoGradParam, kNovoGradGrad, c.inv_scale, exp_avg,
+        [&](int64_t, float& g, float& w, float& m) { novograd_update<RegInsideMoment>(c, denom, g, w, m); });
   }
 };
 

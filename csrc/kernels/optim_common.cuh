@@ -27,6 +27,12 @@ __device__ __forceinline__ void store_unscaled_grads(TG* grad, int64_t base, int
   }
 }
 
+// An fp32 value as a state list of storage T holds it (rounded to nearest even; float: as is), for
+// updates that go on with the stored value (SGD's fp16/bf16 momentum, kernels/sgd.h).
+template <typename T> struct RoundTo {
+  __device__ __forceinline__ float operator()(float x) const { return to_float<T>(from_float<T>(x)); }
+};
+
 // ---- the weight a step updates (WeightMode, kernels/optim_common.h) ---------------------------
 // kPacked: through load_packed/store_packed (Adam's choice, see multi_tensor.cuh), else load/store.
 template <bool kPacked, typename T, int N>

@@ -7,6 +7,23 @@
 #include "ops/optim_common.h"
 
 namespace mixprec::detail {
+namespace {
+
+// Momentum is float32, or the param's own dtype: Apex's FusedSGD and torch.optim.SGD keep an
+// fp16/bf16 param's buffer in its dtype, and the kernels store it as such (one rounding a step).
+void check_momentum_dtypes(const char* op, const NamedList& momentum, const NamedList& params) {
+  for (size_t i = 0; i < momentum.tensors.size() && i < params.tensors.size(); ++i) {
+    const at::Tensor& m = momentum.tensors[i];
+    const at::Tensor& p = params.tensors[i];
+    if (!m.defined() || !p.defined()) continue;  // reported by pack_lists with its index
+    const auto dt = m.scalar_type();
+    MIXPREC_CHECK_TYPE(dt == at::kFloat || dt == p.scalar_type(), arg_name(op, momentum.name, static_cast<int64_t>(i)),
+                       " has dtype ", dt, " but ", arg_name(op, params.name, static_cast<int64_t>(i)), " is ",
+                       p.scalar_type(), "; a momentum buffer must be float32 or its param's dtype");
+  }
+}
+
+}  // namespace
 
 void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
   constexpr const char* kOp = "sgd_";
@@ -22,7 +39,7 @@ void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
   const bool use_momentum = momentum != 0;
   MIXPREC_CHECK_VALUE(use_momentum == present(in.momentum_buffers) || in.params.empty(),
                       arg_name(kOp, "momentum_buffers"),
-                      use_momentum ? " must hold one float32 buffer per param when momentum != 0"
+                      use_momentum ? " must hold one buffer (float32 or the param's dtype) per param when momentum != 0"
                                    : " must be empty when momentum == 0");
   if (nothing_to_step(kOp, in)) return;
   const at::Device device = op_device(kOp, {"params", in.params}, std::nullopt);
@@ -35,7 +52,7 @@ void sgd_impl(const SgdInputs& in, const SgdRunners& run, bool validate_only) {
       weight_lists(kOp, in.params, in.master_params, a.stochastic_rounding, a.seed, kernels::SgdParams{}.weights);
   const NamedList momentum_list = use_momentum ? NamedList{"momentum_buffers", in.momentum_buffers} : param_list;
   const NamedList master_list = weights.master_list(param_list);
-  if (use_momentum) check_state_dtypes(kOp, momentum_list, /*allow_bf16=*/false);
+  if (use_momentum) check_momentum_dtypes(kOp, momentum_list, param_list);
 
   // Absent lists are stood in for by params: the kernels never touch them (see kernels/sgd.h).
   const PackedLists packed =

@@ -25,7 +25,7 @@ import types
 ALIASES = {
     "apex": None,  # a small package module made here (see PACKAGES)
     "apex.amp": "mixprec.amp",
-    "apex.optimizers": "mixprec.optimizers",
+    "apex.optimizers": "mixprec.apex_compat.optimizers",  # Apex's defaults (FusedSGD's momentum dtype)
     "apex.multi_tensor_apply": "mixprec.apex_compat.multi_tensor_apply",
     "apex.parallel": "mixprec.apex_compat.parallel",
     "apex.parallel.LARC": "mixprec.apex_compat.larc",
@@ -74,7 +74,7 @@ class _AliasLoader(importlib.abc.Loader):
             module.__spec__ = own_spec  # mixprec.amp stays mixprec.amp (reload, introspection)
         if self.fullname == "apex":
             module.amp = importlib.import_module("mixprec.amp")
-            module.optimizers = importlib.import_module("mixprec.optimizers")
+            module.optimizers = importlib.import_module(ALIASES["apex.optimizers"])
             module.__getattr__ = _apex_getattr
         elif self.fullname in PACKAGES:
             target = importlib.import_module(ALIASES[self.fullname])

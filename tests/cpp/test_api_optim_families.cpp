@@ -219,6 +219,52 @@ TEST_P(ApiFamilies, SGDRefusesBadOptions) {
                    {"FusedSGD", "invalid dampening inf"});
 }
 
+// state_dtype(kMomentumInParamDtype): fp16/bf16 buffers of fp16/bf16 params, torch::optim::SGD's
+// trajectory bit for bit where its products are exact (powers of two; see kernels/sgd.h), float32
+// buffers where a master is updated; a dtype other than float32 or the marker is refused.
+TEST_P(ApiFamilies, SGDMomentumInParamDtypeIsTorchSGDBitForBit) {
+  SKIP_WITHOUT_KERNEL("sgd_");
+  for (const auto dtype : {at::kHalf, at::kBFloat16}) {
+    auto ps = make_params({{37}, {5, 7}}, dtype, device());
+    auto ref = copies(ps, dtype);
+    FusedSGD ours(ps, FusedSGDOptions(0.25).momentum(0.125).nesterov(true).state_dtype(kMomentumInParamDtype));
+    torch::optim::SGD peer(ref, torch::optim::SGDOptions(0.25).momentum(0.125).nesterov(true));
+    for (int step = 0; step < 6; ++step) {
+      const auto gs = random_grads(ps, dtype);
+      set_grads(ps, gs);
+      set_grads(ref, gs);
+      ours.step();
+      peer.step();
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const auto& buf =
+            static_cast<FusedSGDParamState&>(*ours.state().at(ps[i].unsafeGetTensorImpl())).momentum_buffer();
+        EXPECT_EQ(buf.scalar_type(), dtype);
+        EXPECT_TRUE(at::equal(ps[i].detach().cpu(), ref[i].detach().cpu()))
+            << dtype << " step " << step << " param " << i;
+        EXPECT_TRUE(at::equal(buf.cpu(),
+                              static_cast<torch::optim::SGDParamState&>(*peer.state().at(ref[i].unsafeGetTensorImpl()))
+                                  .momentum_buffer()
+                                  .cpu()));
+      }
+    }
+    // With masters the master is what the step updates: float32 buffers; the default is float32.
+    for (const bool master : {true, false}) {
+      auto qs = make_params({{9}}, dtype, device());
+      auto o = FusedSGDOptions(0.1).momentum(0.9).master_weights(master);
+      FusedSGD opt(qs, master ? o.state_dtype(kMomentumInParamDtype) : o);
+      set_grads(qs, random_grads(qs, dtype));
+      opt.step();
+      EXPECT_EQ(static_cast<FusedSGDParamState&>(*opt.state().at(qs[0].unsafeGetTensorImpl()))
+                    .momentum_buffer()
+                    .scalar_type(),
+                at::kFloat);
+    }
+  }
+  auto ps = make_params({{3}}, at::kHalf, device());
+  expect_c10_error([&] { FusedSGD(ps, FusedSGDOptions(0.1).momentum(0.9).state_dtype(at::kHalf)); },
+                   {"FusedSGD", "state_dtype must be float32 or kMomentumInParamDtype, got Half"});
+}
+
 // ---- Adagrad --------------------------------------------------------------------------------------
 TEST_P(ApiFamilies, AdagradMatchesTorchAdagrad) {
   SKIP_WITHOUT_KERNEL("adagrad_");

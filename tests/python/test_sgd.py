@@ -186,7 +186,7 @@ def test_constructor_matches_apex():
     """Apex's positional arguments and defaults, then mixprec's keyword-only extras."""
     apex = dict(lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False, wd_after_momentum=False,
                 materialize_master_grads=True, set_grad_none=False)
-    fam.constructor_matches_apex(FusedSGD, apex, {"master_weights", "maximize", "rounding", "seed"})
+    fam.constructor_matches_apex(FusedSGD, apex, {"master_weights", "maximize", "state_dtype", "rounding", "seed"})
     with pytest.raises(ValueError, match="lr"):
         FusedSGD([torch.nn.Parameter(torch.ones(3))])  # lr is required, as in Apex
 

@@ -174,7 +174,8 @@ BAD_INPUTS = opf.COMMON_BAD_INPUTS | {
     "grads_noncontiguous": (set_item("grads", 1, noncontiguous), RuntimeError, "grads", 1),
     "momentum_buffers_noncontiguous": (set_item("momentum_buffers", 1, noncontiguous), RuntimeError,
                                        "momentum_buffers", 1),
-    "momentum_buffers_fp16": (set_item("momentum_buffers", 2, lambda x: x.half()), TypeError, "momentum_buffers", 2),
+    # (fp16 buffers of these fp16 params are valid: float32 or the param's dtype)
+    "momentum_buffers_fp64": (set_item("momentum_buffers", 2, lambda x: x.double()), TypeError, "momentum_buffers", 2),
     "momentum_buffers_bf16": (set_item("momentum_buffers", 0, lambda x: x.bfloat16()), TypeError,
                               "momentum_buffers", 0),
     "master_params_fp16": (set_item("master_params", 0, lambda x: x.half()), TypeError, "master_params", 0),

@@ -8,21 +8,12 @@
 namespace mixprec::kernels {
 namespace {
 
-MIXPREC_CPU_CLONES void adagrad_chunk(const AdagradParams& p, const AdagradCoefficients& c, int64_t t, int64_t begin,
-                                      int64_t n) {
-  const TensorGroup& g = *p.group;
-  alignas(64) float grad[cpu::kTile], w[cpu::kTile], h[cpu::kTile];
-  for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
-    const int64_t len = std::min(cpu::kTile, begin + n - at);
-    cpu::load_tile(g.dtypes[kAdagradGrad], g.ptrs[kAdagradGrad][t], at, len, grad);
-    cpu::load_weights(p.weights, g, t, at, len, w);
-    cpu::load_tile(DType::kFloat32, g.ptrs[kAdagradStateSum][t], at, len, h);
-    for (int64_t i = 0; i < len; ++i) adagrad_update(c, grad[i], w[i], h[i]);
-    if (stores_unscaled_grads(p.scalars))
-      cpu::store_tile(g.dtypes[kAdagradGrad], grad, g.ptrs[kAdagradGrad][t], at, len);
-    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
-    cpu::store_tile(DType::kFloat32, h, g.ptrs[kAdagradStateSum][t], at, len);
-  }
+MIXPREC_CPU_CLONES void adagrad_chunk(const AdagradParams& p, const AdagradCoefficients& coefficients, int64_t t,
+                                      int64_t begin, int64_t n) {
+  const AdagradCoefficients c = coefficients;  // a local copy: see cpu::stream_tiles
+  const cpu::TileState sum[] = {{kAdagradStateSum}};
+  cpu::stream_tiles(p.weights, p.scalars, *p.group, kAdagradGrad, sum, t, begin, n,
+                    [&](float& g, float& w, float& h) { adagrad_update(c, g, w, h); });
 }
 
 }  // namespace

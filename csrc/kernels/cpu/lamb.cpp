@@ -50,18 +50,14 @@ MIXPREC_CPU_CLONES void lamb_moments_chunk(const LambParams& p, const LambCoeffi
   }
 }
 
-MIXPREC_CPU_CLONES void lamb_apply_chunk(const LambParams& p, const LambCoefficients& c, float step_size, int64_t t,
-                                         int64_t begin, int64_t n) {
-  const TensorGroup& g = *p.group;
-  alignas(64) float w[cpu::kTile], m[cpu::kTile], v[cpu::kTile];
-  for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
-    const int64_t len = std::min(cpu::kTile, begin + n - at);
-    cpu::load_weights(p.weights, g, t, at, len, w);
-    cpu::load_tile(DType::kFloat32, g.ptrs[kLambExpAvg][t], at, len, m);
-    cpu::load_tile(DType::kFloat32, g.ptrs[kLambExpAvgSq][t], at, len, v);
-    for (int64_t i = 0; i < len; ++i) w[i] -= step_size * lamb_direction(c, m[i], v[i], w[i]);
-    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
-  }
+MIXPREC_CPU_CLONES void lamb_apply_chunk(const LambParams& p, const LambCoefficients& coefficients, float step_size,
+                                         int64_t t, int64_t begin, int64_t n) {
+  const LambCoefficients c = coefficients;  // a local copy: see cpu::stream_tiles
+  // Moments read, never written; no gradient.
+  const cpu::TileState moments[] = {{kLambExpAvg, true, false}, {kLambExpAvgSq, true, false}};
+  cpu::stream_tiles</*kReadGrad=*/false>(
+      p.weights, p.scalars, *p.group, kLambGrad, moments, t, begin, n,
+      [&](float&, float& w, float& m, float& v) { w -= step_size * lamb_direction(c, m, v, w); });
 }
 
 }  // namespace

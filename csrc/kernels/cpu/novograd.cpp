@@ -12,29 +12,20 @@
 namespace mixprec::kernels {
 namespace {
 
-// One loop per moment mode, so that each vectorizes without a branch inside.
+// One tile loop per moment mode, so that each update loop vectorizes without a branch inside.
 template <bool RegInsideMoment>
-MIXPREC_INLINE void update_tile(const NovoGradCoefficients& c, float denom, float* grad, float* w, float* m,
-                                int64_t len) {
-  for (int64_t i = 0; i < len; ++i) novograd_update<RegInsideMoment>(c, denom, grad[i], w[i], m[i]);
+MIXPREC_INLINE void novograd_tiles(const NovoGradParams& p, const NovoGradCoefficients& c, float denom, int64_t t,
+                                   int64_t begin, int64_t n) {
+  const cpu::TileState exp_avg[] = {{kNovoGradExpAvg}};
+  cpu::stream_tiles(p.weights, p.scalars, *p.group, kNovoGradGrad, exp_avg, t, begin, n,
+                    [&](float& g, float& w, float& m) { novograd_update<RegInsideMoment>(c, denom, g, w, m); });
 }
 
-MIXPREC_CPU_CLONES void novograd_chunk(const NovoGradParams& p, const NovoGradCoefficients& c, float denom, int64_t t,
-                                       int64_t begin, int64_t n) {
-  const TensorGroup& g = *p.group;
-  alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile];
-  for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
-    const int64_t len = std::min(cpu::kTile, begin + n - at);
-    cpu::load_tile(g.dtypes[kNovoGradGrad], g.ptrs[kNovoGradGrad][t], at, len, grad);
-    cpu::load_weights(p.weights, g, t, at, len, w);
-    cpu::load_tile(DType::kFloat32, g.ptrs[kNovoGradExpAvg][t], at, len, m);
-    if (c.reg_inside_moment) update_tile<true>(c, denom, grad, w, m, len);
-    else update_tile<false>(c, denom, grad, w, m, len);
-    if (stores_unscaled_grads(p.scalars))
-      cpu::store_tile(g.dtypes[kNovoGradGrad], grad, g.ptrs[kNovoGradGrad][t], at, len);
-    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
-    cpu::store_tile(DType::kFloat32, m, g.ptrs[kNovoGradExpAvg][t], at, len);
-  }
+MIXPREC_CPU_CLONES void novograd_chunk(const NovoGradParams& p, const NovoGradCoefficients& coefficients, float denom,
+                                       int64_t t, int64_t begin, int64_t n) {
+  const NovoGradCoefficients c = coefficients;  // a local copy: see cpu::stream_tiles
+  if (c.reg_inside_moment) novograd_tiles<true>(p, c, denom, t, begin, n);
+  else novograd_tiles<false>(p, c, denom, t, begin, n);
 }
 
 }  // namespace

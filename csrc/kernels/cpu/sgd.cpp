@@ -8,27 +8,23 @@
 namespace mixprec::kernels {
 namespace {
 
-MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& c, int64_t t, int64_t begin, int64_t n) {
-  const TensorGroup& g = *p.group;
-  alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile];
-  for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
-    const int64_t len = std::min(cpu::kTile, begin + n - at);
-    cpu::load_tile(g.dtypes[kSgdGrad], g.ptrs[kSgdGrad][t], at, len, grad);
-    cpu::load_weights(p.weights, g, t, at, len, w);
-    if (c.use_momentum) {
-      // The first step sets the buffer without reading it (torch.optim.SGD's semantics).
-      if (!c.first_step) cpu::load_tile(DType::kFloat32, g.ptrs[kSgdMomentum][t], at, len, m);
-      for (int64_t i = 0; i < len; ++i) sgd_update(c, grad[i], w[i], m[i]);
-      cpu::store_tile(DType::kFloat32, m, g.ptrs[kSgdMomentum][t], at, len);
-    } else {
-      for (int64_t i = 0; i < len; ++i) {
-        float unused = 0.f;  // a local, so the loop carries no store the vectorizer must keep
-        sgd_update(c, grad[i], w[i], unused);
-      }
-    }
-    if (stores_unscaled_grads(p.scalars)) cpu::store_tile(g.dtypes[kSgdGrad], grad, g.ptrs[kSgdGrad][t], at, len);
-    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
+// An fp32 value as a momentum buffer of dtype D holds it (kernels/sgd.h: the step uses that value).
+template <DType D> struct RoundTo {
+  MIXPREC_INLINE float operator()(float x) const {
+    if constexpr (D == DType::kFloat16) return cpu::half_to_float(cpu::float_to_half(x));
+    else if constexpr (D == DType::kBFloat16) return cpu::bf16_to_float(cpu::float_to_bf16(x));
+    else return x;
   }
+};
+
+template <DType DM>
+MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& coefficients, int64_t t, int64_t begin,
+                                  int64_t n) {
+  const SgdCoefficients c = coefficients;  // a local copy: see cpu::stream_tiles
+  // The first step sets the buffer without reading it (torch.optim.SGD's semantics).
+  const cpu::TileState momentum[] = {{kSgdMomentum, c.use_momentum && !c.first_step, c.use_momentum}};
+  cpu::stream_tiles(p.weights, p.scalars, *p.group, kSgdGrad, momentum, t, begin, n,
+                    [&](float& g, float& w, float& m) { sgd_update(c, g, w, m, RoundTo<DM>{}); });
 }
 
 }  // namespace
@@ -36,9 +32,13 @@ MIXPREC_CPU_CLONES void sgd_chunk(const SgdParams& p, const SgdCoefficients& c, 
 void sgd_cpu(const SgdParams& p, int64_t chunk_begin, int64_t chunk_end) {
   if (step_skipped(p.scalars)) return;
   const SgdCoefficients c = sgd_coefficients(p);
+  // Momentum storage as a template argument: its rounding sits in the vectorized update loop.
+  // Without momentum the list stands in with the params and nothing is rounded (float32), as on CUDA.
+  const DType momentum_dtype = c.use_momentum ? p.group->dtypes[kSgdMomentum] : DType::kFloat32;
   for (int64_t chunk = chunk_begin; chunk < chunk_end; ++chunk) {
     const ChunkRef r = resolve_chunk(*p.group, chunk);
-    sgd_chunk(p, c, r.tensor, r.begin, r.size);
+    cpu::with_dtype(momentum_dtype,
+                    [&](auto tag) { sgd_chunk<decltype(tag)::value>(p, c, r.tensor, r.begin, r.size); });
   }
 }
 

@@ -6,8 +6,22 @@ import torch
 from torch.optim.optimizer import required
 
 from .. import _ops
-from ._base import FusedOptimizer
-from ._rules import FINITE, FLAG, LR, MOMENT, NON_NEGATIVE, GroupRule
+from ._base import FusedOptimizer, GroupOption
+from ._rules import FINITE, FLAG, LR, MOMENT, NON_NEGATIVE, GroupRule, Rule
+
+#: state_dtype="param": each momentum buffer in the dtype of the weight the step updates.
+PARAM_DTYPE = "param"
+# Identity for the dtype (a dtype only, never something equal to it); "param" by value.
+_MOMENTUM_DTYPE = Rule(lambda x: x is torch.float32 or (isinstance(x, str) and x == PARAM_DTYPE),
+                       'torch.float32 or "param" (momentum in the dtype of the weight the step updates)')
+
+
+def momentum_dtype(p: torch.Tensor, group: dict) -> torch.dtype:
+    """The dtype of p's momentum buffer in `group`: float32, or under state_dtype="param" the
+    dtype of the weight the step updates (the param's own, float32 where it has a master)."""
+    if group["state_dtype"] is torch.float32 or (group["master_weights"] and p.dtype != torch.float32):
+        return torch.float32
+    return p.dtype
 
 
 class FusedSGD(FusedOptimizer):
@@ -16,27 +30,38 @@ class FusedSGD(FusedOptimizer):
 
     ``wd_after_momentum`` (Apex) adds the weight decay to the momentum-filtered direction instead
     of to the gradient. ``master_weights=True`` (a mixprec keyword) keeps fp32 masters of fp16/bf16
-    params, updated together with the model copy; momentum buffers are always float32.
+    params, updated together with the model copy. ``state_dtype`` (a group option, see
+    ``GroupOption``): ``torch.float32`` (the default) keeps every momentum buffer in float32;
+    ``"param"`` keeps it in the dtype of the weight the step updates, as Apex's FusedSGD and
+    torch.optim.SGD do: an fp16/bf16 param without a master gets an fp16/bf16 buffer (rounded
+    once per step; half the memory, and the trajectory of those references), one with a master a
+    float32 buffer. ``apex.optimizers.FusedSGD`` under mixprec's alias defaults to ``"param"``.
     ``materialize_master_grads`` is accepted for Apex compatibility and changes nothing: the kernel
     reads the model's gradients and unscales them in registers, so no fp32 master gradients are
     ever made. ``maximize`` is torch.optim.SGD's. Checkpoints of torch.optim.SGD load too.
     """
 
     _hyper_rules = {"lr": LR, "momentum": NON_NEGATIVE, "dampening": FINITE, "weight_decay": NON_NEGATIVE,
-                    "nesterov": FLAG, "wd_after_momentum": FLAG, "maximize": FLAG}
+                    "nesterov": FLAG, "wd_after_momentum": FLAG, "maximize": FLAG, "state_dtype": _MOMENTUM_DTYPE}
     # torch.optim.SGD's rule for Nesterov.
     _group_rules = (GroupRule(("nesterov", "momentum", "dampening"), lambda n, m, d: not n or (m > 0 and d == 0),
                               "nesterov=True to come with momentum > 0 and dampening == 0"),)
     _state_rules = {"momentum_buffer": MOMENT}
+    # Buffers load in their group's dtype (momentum_dtype); torch's fp16/bf16 ones are kept as
+    # they come until converted there.
+    _state_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    _group_attributes = ("master_weights", "state_dtype")
+    state_dtype = GroupOption()
 
     # torch.optim.SGD's checkpoints lack Apex's options (filled in by load_state_dict).
     _keys_foreign_checkpoints_lack = ("wd_after_momentum", "materialize_master_grads")
 
     def __init__(self, params, lr=required, momentum=0, dampening=0, weight_decay=0, nesterov=False,
                  wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False, *,
-                 master_weights=False, maximize=False, rounding="nearest", seed=0):
+                 master_weights=False, maximize=False, state_dtype=torch.float32, rounding="nearest", seed=0):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, wd_after_momentum=wd_after_momentum, maximize=maximize)
+                        nesterov=nesterov, wd_after_momentum=wd_after_momentum, maximize=maximize,
+                        state_dtype=state_dtype)
         super().__init__(params, defaults, master_weights=master_weights, rounding=rounding, seed=seed, set_grad_none=set_grad_none)
         self.materialize_master_grads = bool(materialize_master_grads)
 
@@ -45,6 +70,7 @@ class FusedSGD(FusedOptimizer):
         for group in self.param_groups:
             for key in ("nesterov", "wd_after_momentum", "maximize"):
                 group.setdefault(key, False)
+            group.setdefault("state_dtype", self.defaults.setdefault("state_dtype", torch.float32))
 
     def _init_state(self, p, group, state):
         # Momentum buffers are made in _step_group, which must know which of them are new.
@@ -57,11 +83,16 @@ class FusedSGD(FusedOptimizer):
             for p in params:
                 state = self.state[p]
                 buffer = state.get("momentum_buffer")
+                dtype = momentum_dtype(p, group)
                 if buffer is None:
-                    buffer = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                    buffer = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
                     if not validate_only:  # a check leaves the state as it was: the step must see the buffer as new
                         state["momentum_buffer"] = buffer
                     fresh.append(p)
+                elif buffer.dtype != dtype:  # state_dtype or master_weights changed since it was made
+                    buffer = buffer.to(dtype)
+                    if not validate_only:
+                        state["momentum_buffer"] = buffer
                 buffers[p] = buffer
 
         def run(ps, **step_args):
@@ -110,6 +141,10 @@ class FusedSGD(FusedOptimizer):
         # torch.optim.SGD saves momentum_buffer=None without momentum: load it as "no buffer yet".
         if isinstance(saved_state, dict) and saved_state.get("momentum_buffer", 0) is None:
             saved_state = {k: v for k, v in saved_state.items() if k != "momentum_buffer"}
-        # The op keeps buffers in float32 (torch's own checkpoints hold them in the param's dtype):
-        # the base converts them (_state_dtypes).
-        return super()._validated_param_state(pid, p, saved_state, group)
+        out = super()._validated_param_state(pid, p, saved_state, group)
+        # The loaded group's state_dtype says what the buffer is (torch's checkpoints hold it in the
+        # param's dtype, mixprec's before state_dtype in float32).
+        buffer = out.get("momentum_buffer")
+        if buffer is not None and buffer.dtype != momentum_dtype(p, group):
+            out["momentum_buffer"] = buffer.to(momentum_dtype(p, group))
+        return out

@@ -6,10 +6,17 @@
 
 namespace mixprec::optim {
 
+// state_dtype of FusedSGDOptions that keeps each momentum buffer in the dtype of the weight the
+// step updates (Python's state_dtype="param"): the param's own, float32 where it has a master.
+inline constexpr c10::ScalarType kMomentumInParamDtype = c10::ScalarType::Undefined;
+
+// state_dtype: c10::kFloat (float32 buffers, the default) or kMomentumInParamDtype (Apex's and
+// torch::optim::SGD's storage: an fp16/bf16 param's buffer in its dtype, see kernels/sgd.h).
 #define MIXPREC_FUSED_SGD_OWN_OPTIONS(X) \
   X(double, lr, 0.0)                     \
   X(bool, master_weights, false)         \
-  X(bool, master_remainder, false)
+  X(bool, master_remainder, false)       \
+  X(c10::ScalarType, state_dtype, c10::kFloat)
 
 // torch::optim::SGDOptions' fields plus Apex's wd_after_momentum (decay added to the
 // momentum-filtered direction instead of to the gradient); lr has no default, as in torch.
@@ -21,7 +28,7 @@ struct MIXPREC_API FusedSGDOptions : public FusedOptionsFor<FusedSGDOptions, Sgd
 };
 extern template class FusedOptionsFor<FusedSGDOptions, SgdArgs>;
 
-// float32; made at the param's first step with momentum.
+// In momentum_dtype(); made at the param's first step with momentum.
 #define MIXPREC_FUSED_SGD_STATE(X) X(momentum_buffer)
 MIXPREC_FUSED_PARAM_STATE(FusedSGDParamState, MIXPREC_FUSED_SGD_STATE);
 
@@ -29,6 +36,14 @@ MIXPREC_FUSED_PARAM_STATE(FusedSGDParamState, MIXPREC_FUSED_SGD_STATE);
 class MIXPREC_API FusedSGD : public FusedOptimizerOf<FusedSGDOptions, FusedSGDParamState> {
   MIXPREC_FUSED_OPTIMIZER_CLASS(FusedSGD, FusedSGDOptions, )
   MIXPREC_FUSED_OPTIMIZER_STEP()
+
+ public:
+  // The dtype of param's momentum buffer under `options` (see state_dtype).
+  static c10::ScalarType momentum_dtype(const at::Tensor& param, const FusedSGDOptions& options);
+
+ protected:
+  at::Tensor checked_state_tensor(const std::string& where, const std::string& key, const at::Tensor& value,
+                                  const at::Tensor& param, const FusedOptions& options) const override;
 };
 
 }  // namespace mixprec::optim
