@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import sys
 import time
@@ -33,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+from e2e_gpt2 import release  # noqa: E402 - frees one attempt's memory before the next
 from e2e_phases import PhaseClock  # noqa: E402
 from e2e_variants import VARIANTS, Hyper, train  # noqa: E402
 from gpt2_model import Batches, GPTConfig, build_model  # noqa: E402
@@ -75,14 +75,6 @@ def kept_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
 def is_oom(err: BaseException) -> bool:
     """torch's OutOfMemoryError, or a library's allocation failure reported as a RuntimeError."""
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-
-
-def release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def try_depth(mode: str, cfg: GPTConfig, device: torch.device, steps: int, budget: Optional[int], seed: int) -> Attempt:
