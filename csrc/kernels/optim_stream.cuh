@@ -19,6 +19,10 @@ struct StateRole {
   int list;
   bool read = true;
   bool write = true;
+  // An unread list enters the update as zeros (SGD's first step needs them); false leaves its
+  // registers unset, for a list the update then ignores (Adam's max_exp_avg_sq without amsgrad):
+  // the zeroing moves cost spills there.
+  bool zero_unread = true;
 };
 
 // What a pass streams besides its states (bits of OptimStream's kFlags).
@@ -70,7 +74,7 @@ struct OptimStream {
 #pragma unroll
         for (int k = 0; k < K; ++k) {
           if (roles[k].read) load_as<kPacked, TS, N>(state[k], i, n, vec, s[k][u]);
-          else
+          else if (roles[k].zero_unread)
 #pragma unroll
             for (int j = 0; j < N; ++j) s[k][u][j] = 0.f;
         }

@@ -118,10 +118,11 @@ TEST(OpsOptim, CheckTwinRefusesWhatTheStepRefuses) {
     a.beta2 = beta2;
     const auto before = clone_all(params), v_before = clone_all(v);
     const std::string checked = refusal([&] {
-      const at::TensorList none;
+      const at::TensorList none;  // max_exp_avg_sqs, master_params and the 8-bit moments' two scale lists
       mixprec::detail::call_optim(
-          check, {at::TensorList(params), at::TensorList(grads), at::TensorList(m), at::TensorList(v), none, none}, a,
-          s);
+          check,
+          {at::TensorList(params), at::TensorList(grads), at::TensorList(m), at::TensorList(v), none, none, none, none},
+          a, s);
     });
     const std::string stepped = refusal([&] { mixprec::adam_(params, grads, m, v, {}, {}, a, s); });
     EXPECT_EQ(checked, stepped);
