@@ -3,13 +3,14 @@
 # every test including the CUDA ones, the benchmarks and a compute-sanitizer pass, logging under
 # $OUT (default ./out). Uses the machine's python3 and its torch; nothing is downloaded.
 #   usage: scripts/gpu_session.sh [build] [cpp] [tests] [bench] [sanitize] [e2e] [dist] [models] [compare]
-#   (default: all but models and compare)
+#          [lean] [apex]   (default: all but models, compare, lean and apex)
 #   env: TEST_PATHS, PYTEST_ARGS (tests); BENCH_SCRIPTS (bench: which of loss_scale optimizer cpp
 #   overhead xent layers grid, default all but grid), BENCH_OPT_ARGS; SANITIZE_K; E2E_ARGS (e2e); DIST_ARGS
 #   (dist: the distributed CUDA tests, gloo ranks sharing the GPUs and NCCL on 2+, then
 #   benchmarks/e2e_distributed.py at 1 rank and at every GPU); STEP_TIMEOUT
 #   (s, per step); MODELS_ARGS (models: benchmarks/real_models.py); COMPARE_ARGS (compare: `mixprec
-#   compare --modes all` on its embedded task, with its plot and table). "grid" reruns
+#   compare --modes all` on its embedded task, with its plot and table); LEAN_ARGS (lean:
+#   benchmarks/lean_capacity.py after e2e_gpt2.py's lean variants); apex: scripts/run_apex_l0.sh. "grid" reruns
 #   loss_scale_ops.py with one block per chunk for persistent ops (MIXPREC_PERSISTENT_GRID=chunks),
 #   to compare with the default resident-sized grid.
 set -uo pipefail
@@ -86,4 +87,15 @@ if [[ $steps == *models* ]]; then
 fi
 if [[ $steps == *compare* ]]; then
   run compare $PY -m mixprec compare --modes all --out "$OUT/compare" --no-progress ${COMPARE_ARGS:-}
+fi
+if [[ $steps == *lean* ]]; then
+  # Issue 24's bars: GPT-2 large in bf16 with torch.amp, O2 and the lean modes (peak memory, speed),
+  # then the deepest width-1600 model each trains.
+  run lean bash -c "$PY benchmarks/e2e_gpt2.py --sizes large --out $OUT/e2e_lean.json --variants \
+      torch-bf16,mixprec-o2-bf16,mixprec-o2-bf16-rem,mixprec-o2-bf16-rem-bf16m,mixprec-o2-bf16-rem-q8,mixprec-o3-bf16-sr; \
+    $PY benchmarks/lean_capacity.py --out $OUT/lean_capacity.json ${LEAN_ARGS:-}"
+fi
+if [[ $steps == *apex* ]]; then
+  # Apex's own L0 tests through the alias (the git-ignored .apex-tests/ must be carried).
+  run apex env OUT="$OUT" PY="$PY" scripts/run_apex_l0.sh
 fi
