@@ -89,7 +89,9 @@ class FusedSGD(FusedOptimizer):
                     if not validate_only:  # a check leaves the state as it was: the step must see the buffer as new
                         state["momentum_buffer"] = buffer
                     fresh.append(p)
-                elif buffer.dtype != dtype:  # state_dtype or master_weights changed since it was made
+                elif buffer.dtype != dtype and buffer.dtype in (torch.float32, p.dtype):
+                    # state_dtype or master_weights changed since it was made (a buffer of any other
+                    # dtype was not made by this optimizer: the op refuses it, naming it)
                     buffer = buffer.to(dtype)
                     if not validate_only:
                         state["momentum_buffer"] = buffer
