@@ -79,6 +79,32 @@ def test_sgd_matches_torch_sgd(device, gen):
         assert_rel_err(a, r, 1e-6, "torch.optim.SGD")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("nesterov,wd", [(False, 0.0), (True, 2.0 ** -7)])
+@pytest.mark.parametrize("scale", [1.0, 2.0 ** -6])
+def test_sgd_low_precision_momentum_matches_torch_sgd(device, gen, dtype, nesterov, wd, scale):
+    """Apex's all-fp16 case (grads, weights and momentum in one low dtype) steps as torch.optim.SGD
+    steps fp16/bf16 params, bit for bit: powers-of-two hyper-parameters make every product exact,
+    so the roundings fall on the sums alone (test_sgd_momentum_dtype says why); `scale` is a power
+    of two, exact too. The buffers stay in `dtype`."""
+    sizes = (7, CHUNK + 3)
+    p = [(torch.rand(n, generator=gen) - 0.5).to(device, dtype) for n in sizes]
+    ref = [torch.nn.Parameter(t.clone()) for t in p]
+    opt = torch.optim.SGD(ref, lr=0.25, momentum=0.125, weight_decay=wd, nesterov=nesterov)
+    m = [torch.zeros_like(t) for t in p]
+    for step in range(4):
+        g = [(torch.rand(n, generator=gen) - 0.5).to(device, dtype) for n in sizes]
+        for r, gi in zip(ref, g):
+            r.grad = gi * scale  # Apex's kernel multiplies the grads by `scale`: exact, a power of two
+        opt.step()
+        amp_c.multi_tensor_sgd(65536, flag(device), [g, p, m], wd, 0.125, 0.0, 0.25, nesterov, step == 0, False,
+                               scale)
+        for i, (a, r) in enumerate(zip(p, ref)):
+            assert m[i].dtype == dtype
+            assert torch.equal(m[i], opt.state[r]["momentum_buffer"]), f"step {step}: momentum[{i}]"
+            assert torch.equal(a, r.detach()), f"step {step}: weights[{i}]"
+
+
 def test_sgd_skips_on_a_set_flag_and_never_sets_it(device, gen):
     w, g = rand(gen, device), rand(gen, device)
     m = rand(gen, device)
@@ -292,8 +318,13 @@ def test_optimizer_ops_refuse_bad_input_and_change_nothing(device, gen):
     ggn = torch.ones(1, device=device)
     noop = flag(device)
     cases = [
-        (NotImplementedError, r"multi_tensor_sgd: tensor_lists\[2\]\[0\] \(momentum buffer\) is torch.float16",
+        (NotImplementedError, r"multi_tensor_sgd: tensor_lists\[2\]\[0\] \(momentum buffer\) is torch.float16 "
+         r"beside a torch.float32 weight",
          lambda: amp_c.multi_tensor_sgd(65536, noop, [g, p, half], 0.0, 0.9, 0.0, 0.1, False, False, False, 1.0)),
+        (NotImplementedError, r"multi_tensor_sgd: tensor_lists\[2\]\[1\] \(momentum buffer\) is torch.float16",
+         lambda: amp_c.multi_tensor_sgd(65536, noop, [[t.half() for t in g], p, [m[0], half[1]],
+                                                       [t.half() for t in p]], 0.0, 0.9, 0.0, 0.1, False, False,
+                                        False, 1.0)),
         (ValueError, r"multi_tensor_sgd: mixprec::sgd_: nesterov",
          lambda: amp_c.multi_tensor_sgd(65536, noop, [g, p, m], 0.0, 0.9, 0.5, 0.1, True, False, False, 1.0)),
         (NotImplementedError, r"multi_tensor_adagrad: tensor_lists\[2\]\[0\] \(state_sum\) is torch.float16",

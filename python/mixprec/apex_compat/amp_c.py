@@ -97,6 +97,16 @@ def _fp32_state(call: str, lists, k: int, what: str, allow_bf16: bool = False) -
                                       f"this optimizer state in {' or '.join(map(str, allowed))}")
 
 
+def _momentum_state(call: str, lists) -> None:
+    """SGD's momentum buffers: float32, or the dtype of the weight the step updates (list 1: the
+    fp32 master when there are four lists, so float32 there)."""
+    for i, (buf, weight) in enumerate(zip(lists[2], lists[1])):
+        if buf.dtype not in (torch.float32, weight.dtype):
+            raise NotImplementedError(f"{call}: tensor_lists[2][{i}] (momentum buffer) is {buf.dtype} beside a "
+                                      f"{weight.dtype} weight: mixprec keeps it in float32 or in the dtype of "
+                                      "the weight the step updates")
+
+
 def _found_inf(noop_flag: torch.Tensor) -> torch.Tensor:
     """mixprec's found_inf (float32, 1 element) holding the flag's current value: a device copy."""
     return noop_flag.reshape(1).to(torch.float32)
@@ -197,19 +207,22 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
     the updated fp32 weights rounded (Apex's fp16 copy). Grads are multiplied by ``scale``;
     ``first_run`` sets the momentum buffer to the gradient (torch.optim.SGD's first step). When
     noop_flag is already set the step does nothing (as Apex's kernel); the flag is only read.
-    The momentum list is read only when ``momentum != 0``; mixprec keeps momentum in float32."""
+    The momentum list is read only when ``momentum != 0``. A buffer is float32 or, with three
+    lists, in its weight's dtype (Apex's all-fp16 case): the new buffer is then rounded to that
+    dtype before the weight update uses it, as torch.optim.SGD does (Apex's kernel updates with the
+    unrounded value, a difference within the buffer's rounding)."""
     call = "amp_C.multi_tensor_sgd"
     lists = _check(call, chunk_size, noop_flag, tensor_lists, (3, 4))
     if not lists[0]:
         return
     use_momentum = momentum != 0
-    if use_momentum:
-        _fp32_state(call, lists, 2, "momentum buffer")
     if len(lists) == 4:
         _fp32_state(call, lists, 1, "fp32 master weight")
         params, masters = lists[3], lists[1]
     else:
         params, masters = lists[1], []
+    if use_momentum:
+        _momentum_state(call, lists)
     scale = float(scale)
     # mixprec divides by a loss scale; Apex multiplies by its reciprocal (exact for powers of two).
     grad_scale = None if scale == 1.0 else _device_scalar(1.0 / scale, noop_flag)
