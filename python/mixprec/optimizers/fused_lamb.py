@@ -56,31 +56,31 @@ class FusedLAMB(FusedOptimizer):
     def _reset_caches(self):
         self._grad_norms: dict[torch.device, torch.Tensor] = {}
 
-    @torch.no_grad()
-    def step(self, closure=None, **legacy):
-        if legacy:
-            return super().step(closure, **legacy)  # raises the base class's explanation
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._grad_norms = self._global_grad_norms()
-        try:
-            super().step()
-        finally:
+    def _begin_step(self, held, grad_scale):
+        # The norm every clipping group's op call takes, before any of them (the op writes the
+        # unscaled grads back). Held: from the held params' grads in C++ (HeldNorm), no Python
+        # pass over the params.
+        if not any(map(_clips, self.param_groups)):
             self._grad_norms = {}
-        return loss
+            return True
+        norms = self._global_grad_norms(grad_scale) if held is None else held.global_grad_norms(grad_scale)
+        if norms is None:
+            return False
+        self._grad_norms = norms
+        return True
 
-    _held_per_step = ("global_grad_norm",)  # made anew every step (above): a held step takes it from here
+    def _end_step(self):
+        self._grad_norms = {}
+
+    _held_per_step = ("global_grad_norm",)  # made anew every step (_begin_step): a held step takes it from here
 
     def _held_extras(self, group, device):
         return (self._grad_norms.get(device) if _clips(group) else None,)
 
-    def _global_grad_norms(self) -> dict[torch.device, torch.Tensor]:
+    def _global_grad_norms(self, grad_scale) -> dict[torch.device, torch.Tensor]:
         """The unscaled L2 norm of all gradients of all groups, one copy per device in use, all
-        computed and divided on the device (no host sync). Empty when no group clips."""
-        if not any(_clips(g) for g in self.param_groups):
-            return {}
+        computed and divided on the device (no host sync). HeldNorm (csrc/ops/held_step.h) repeats
+        these calls for held steps: a change here is one there."""
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for group in self.param_groups:
             for p in group["params"]:
@@ -97,7 +97,7 @@ class FusedLAMB(FusedOptimizer):
             total = norms[0].reshape(1)
         else:  # several devices: combine the squares on the first one
             total = torch.stack([n.to(first, non_blocking=True) for n in norms]).square().sum().sqrt().reshape(1)
-        grad_scale = _device_scalar(getattr(self, "grad_scale", None), first)
+        grad_scale = _device_scalar(grad_scale, first)
         if grad_scale is not None:
             total = total / grad_scale
         return {d: total if d == first else total.to(d, non_blocking=True) for d in by_device}
