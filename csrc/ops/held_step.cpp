@@ -178,7 +178,8 @@ std::vector<at::Tensor> HeldNorm::norms(std::optional<at::Tensor> grad_scale) co
     total = std::get<0>(mixprec::multi_tensor_norm(grads[0])).reshape({1});
   } else {  // several devices: the squares combined on the first, as the checked path does
     std::vector<at::Tensor> partial;
-    for (const auto& list : grads) partial.push_back(std::get<0>(mixprec::multi_tensor_norm(list)).to(first, true));
+    for (const auto& list : grads)
+      partial.push_back(std::get<0>(mixprec::multi_tensor_norm(list)).to(first, !first.is_cpu()));
     total = at::stack(partial).square().sum().sqrt().reshape({1});
   }
   if (grad_scale) {
@@ -188,7 +189,8 @@ std::vector<at::Tensor> HeldNorm::norms(std::optional<at::Tensor> grad_scale) co
     total.div_(scale.dim() != 1 ? scale.reshape({1}) : scale);
   }
   std::vector<at::Tensor> out{total};
-  for (size_t d = 1; d < devices_.size(); ++d) out.push_back(total.to(devices_[d], /*non_blocking=*/true));
+  // Blocking into the CPU, whose kernels read the norm at once (FusedLAMB's _async_to).
+  for (size_t d = 1; d < devices_.size(); ++d) out.push_back(total.to(devices_[d], !devices_[d].is_cpu()));
   return out;
 }
 

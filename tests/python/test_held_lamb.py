@@ -119,11 +119,12 @@ def test_held_lamb_equals_checked_lamb(dtype, clips, scaler_on, device, seed):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("scaler_on", [False, True], ids=["plain", "scaler"])
-def test_held_lamb_across_devices(scaler_on, seed):
+def test_held_lamb_across_devices(seed):
     """The first group on the GPU, the second on the CPU: the norms of both combined on the first
-    device and copied to the other (HeldNorm's several-devices branch)."""
-    held_and_checked(torch.float16, "cuda", CLIPS["both"], seed, scaler_on, extra_device="cpu")
+    device and copied to the other (HeldNorm's several-devices branch; the copy into the CPU
+    blocks, as its kernels read the norm at once). Without a scaler: its held check wants one
+    device (HeldSteps.run), and its scale reaches a CPU group by a non-blocking copy."""
+    held_and_checked(torch.float16, "cuda", CLIPS["both"], seed, False, extra_device="cpu")
 
 
 def test_held_lamb_scaler_step_is_one_call(seed):

@@ -12,6 +12,12 @@ from ._base import FusedOptimizer, _device_scalar
 from ._rules import BETAS, CLIP_NORM, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, pair
 
 
+def _async_to(device: torch.device) -> bool:
+    """Whether a copy of a norm to `device` may be non-blocking: not to the CPU, whose kernels read
+    it at once (torch makes a non-blocking device-to-CPU copy into pinned memory, still in flight)."""
+    return device.type != "cpu"
+
+
 def _clips(group: dict) -> bool:
     """Whether a group clips: max_grad_norm 0 or inf turns clipping off."""
     return 0.0 < group["max_grad_norm"] < math.inf
@@ -96,11 +102,12 @@ class FusedLAMB(FusedOptimizer):
         if len(norms) == 1:
             total = norms[0].reshape(1)
         else:  # several devices: combine the squares on the first one
-            total = torch.stack([n.to(first, non_blocking=True) for n in norms]).square().sum().sqrt().reshape(1)
+            total = torch.stack([n.to(first, non_blocking=_async_to(first)) for n in norms]).square().sum()
+            total = total.sqrt().reshape(1)
         grad_scale = _device_scalar(grad_scale, first)
         if grad_scale is not None:
             total = total / grad_scale
-        return {d: total if d == first else total.to(d, non_blocking=True) for d in by_device}
+        return {d: total if d == first else total.to(d, non_blocking=_async_to(d)) for d in by_device}
 
     def _init_state(self, p, group, state):
         # In the parameter's layout (preserve_format): the op walks an entry's tensors in one order.
