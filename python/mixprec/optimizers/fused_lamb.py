@@ -39,8 +39,9 @@ class FusedLAMB(FusedOptimizer):
     keeps fp32 masters of fp16/bf16 params; moments are always fp32; ``max_grad_norm``,
     ``adam_w_mode`` and ``use_nvlamb`` are per-group settings (Apex reads them from the
     constructor only); ``max_grad_norm=0`` turns clipping off where Apex would zero the update.
-    No step synchronizes with the host. Under FSDP2 (sharded DTensor parameters) every norm is
-    that of the whole tensor: the shards' norms are reduced across ranks between the passes.
+    No step synchronizes with the host (but one with CPU groups beside GPU ones, for their norm).
+    Under FSDP2 (sharded DTensor parameters) every norm is that of the whole tensor: the shards'
+    norms are reduced across ranks between the passes.
     """
 
     _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
@@ -85,8 +86,9 @@ class FusedLAMB(FusedOptimizer):
 
     def _global_grad_norms(self, grad_scale) -> dict[torch.device, torch.Tensor]:
         """The unscaled L2 norm of all gradients of all groups, one copy per device in use, all
-        computed and divided on the device (no host sync). HeldNorm (csrc/ops/held_step.h) repeats
-        these calls for held steps: a change here is one there."""
+        computed and divided on the device (no host sync, but for the copy into a CPU group beside GPU
+        ones). HeldNorm (csrc/ops/held_step.h) repeats these calls for held steps: a change here is
+        one there."""
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for group in self.param_groups:
             for p in group["params"]:
