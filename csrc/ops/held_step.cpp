@@ -1,7 +1,8 @@
-// The held optimizer step (see held_step.h) and its TorchScript class, torch.classes.mixprec.HeldStep.
+// The held optimizer step and global gradient norm (see held_step.h), and their TorchScript
+// classes torch.classes.mixprec.HeldStep and HeldNorm.
 #include "ops/held_step.h"
 
-#include <mixprec/ops.h>  // non_finite_check_and_unscale_
+#include <mixprec/ops.h>  // non_finite_check_and_unscale_, multi_tensor_norm
 
 #include <torch/library.h>
 
@@ -140,6 +141,59 @@ void HeldStep::check_grads(std::vector<at::Tensor> tensors, const at::Tensor& fo
   }
 }
 
+HeldNorm::HeldNorm(const std::vector<at::Tensor>& params, const std::vector<int64_t>& lengths) {
+  size_t start = 0;
+  for (const int64_t n : lengths) {
+    MIXPREC_CHECK_VALUE(n > 0 && start + static_cast<size_t>(n) <= params.size(), "mixprec.HeldNorm: lengths ", num(n),
+                        " at params[", num(start), "] of ", num(params.size()),
+                        "; expected positive lengths summing to the params given");
+    params_.emplace_back(params.begin() + static_cast<std::ptrdiff_t>(start),
+                         params.begin() + static_cast<std::ptrdiff_t>(start + static_cast<size_t>(n)));
+    devices_.push_back(params[start].device());
+    for (const at::Tensor& p : params_.back())
+      MIXPREC_CHECK_VALUE(p.device() == devices_.back(), "mixprec.HeldNorm: params[", num(start), "...] mix devices ",
+                          devices_.back().str(), " and ", p.device().str(), "; expected one device per length");
+    start += static_cast<size_t>(n);
+  }
+  MIXPREC_CHECK_VALUE(start == params.size() && !params_.empty(), "mixprec.HeldNorm: lengths sum to ", num(start),
+                      " but ", num(params.size()), " params given; expected them equal and not 0");
+}
+
+std::vector<at::Tensor> HeldNorm::norms(std::optional<at::Tensor> grad_scale) const {
+  std::vector<std::vector<at::Tensor>> grads(params_.size());
+  for (size_t d = 0; d < params_.size(); ++d) {
+    grads[d].reserve(params_[d].size());
+    for (const at::Tensor& p : params_[d]) {
+      // The checked path groups grads by their device and refuses sparse ones (with its own
+      // error): both are its cases, as a missing grad is.
+      const at::Tensor& g = p.grad();
+      if (!g.defined() || g.layout() != at::kStrided || g.device() != devices_[d] || p.device() != devices_[d])
+        return {};
+      grads[d].push_back(g);
+    }
+  }
+  const at::Device first = devices_[0];
+  at::Tensor total;
+  if (grads.size() == 1) {
+    total = std::get<0>(mixprec::multi_tensor_norm(grads[0])).reshape({1});
+  } else {  // several devices: the squares combined on the first, as the checked path does
+    std::vector<at::Tensor> partial;
+    for (const auto& list : grads)
+      partial.push_back(std::get<0>(mixprec::multi_tensor_norm(list)).to(first, !first.is_cpu()));
+    total = at::stack(partial).square().sum().sqrt().reshape({1});
+  }
+  if (grad_scale) {
+    // In place on the norm just made: the kernel of the checked path's `total / scale` (the same
+    // bits), without a new tensor (and, on the meta device, without torch's Python meta function).
+    const at::Tensor scale = grad_scale->to(first, at::kFloat, /*non_blocking=*/true);
+    total.div_(scale.dim() != 1 ? scale.reshape({1}) : scale);
+  }
+  std::vector<at::Tensor> out{total};
+  // Blocking into the CPU, whose kernels read the norm at once (FusedLAMB's _async_to).
+  for (size_t d = 1; d < devices_.size(); ++d) out.push_back(total.to(devices_[d], !devices_[d].is_cpu()));
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(mixprec, m) {
   m.class_<HeldStep>("HeldStep")
       .def(torch::init<std::string, std::vector<at::Tensor>, std::vector<int64_t>, c10::List<std::optional<at::Tensor>>,
@@ -147,6 +201,9 @@ TORCH_LIBRARY_FRAGMENT(mixprec, m) {
       .def("step", &HeldStep::step)
       .def("check_inf", &HeldStep::check_inf)
       .def("num_params", &HeldStep::num_params);
+  m.class_<HeldNorm>("HeldNorm")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("norms", &HeldNorm::norms);
 }
 
 }  // namespace mixprec::detail

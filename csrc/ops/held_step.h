@@ -1,5 +1,6 @@
 // A fused optimizer step held below Python (issue 22): one param group's op call, its tensor lists
-// and arguments kept in C++ between steps, replayed with the step scalars alone.
+// and arguments kept in C++ between steps, replayed with the step scalars alone; and FusedLAMB's
+// global gradient norm over the held params of every group (HeldNorm).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -64,6 +65,29 @@ class HeldStep : public torch::CustomClassHolder {
   at::Device device_{at::kCPU};
   size_t grads_at_, step_tensor_at_, lr_at_, lr_tensor_at_, grad_scale_at_, found_inf_at_;
   std::vector<size_t> per_step_at_;
+};
+
+// FusedLAMB clips against the L2 norm of every gradient of every group; built in Python each step
+// (a loop over 292 params and a fresh list through the dispatcher) it cost ~150 us of host time,
+// more than the held steps it precedes. A HeldNorm keeps the params of all held groups, split by
+// device, and each step reads their current grads and makes exactly the calls
+// FusedLAMB._global_grad_norms makes (the same ops in the same order: the same bits). The op's
+// kept packing (pack_lists) serves the unchanged list.
+class HeldNorm : public torch::CustomClassHolder {
+ public:
+  // `params`: every param of every held group, per device in order of first use, `lengths` per
+  // device; each list in group order (the order the checked path reduces in).
+  HeldNorm(const std::vector<at::Tensor>& params, const std::vector<int64_t>& lengths);
+
+  // The unscaled L2 norm of all current grads (divided by `grad_scale`, a GradScaler's scale, on
+  // the device): one float32 [1] per device, in the held order, no host sync. Empty, with nothing
+  // run, when some param has no dense grad on its own held device: its owner then takes its
+  // fully checked path.
+  std::vector<at::Tensor> norms(std::optional<at::Tensor> grad_scale) const;
+
+ private:
+  std::vector<std::vector<at::Tensor>> params_;  // per device
+  std::vector<at::Device> devices_;
 };
 
 }  // namespace mixprec::detail

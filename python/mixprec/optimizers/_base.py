@@ -181,26 +181,28 @@ class FusedOptimizer(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         hyper, lists = self._step_caches()
-        stepped, found_inf = _held.try_step(self, hyper, grad_scale, found_inf, pending)
-        if stepped:
-            return loss
-        plan = []
-        for index, group in enumerate(self.param_groups):  # every group is checked before any steps
-            hyper.check(type(self).__name__, self._rules, self._all_group_rules(), group, index)
-            regular = regular_params(group["params"])
-            if regular is not None:
-                params, _, device = regular
-            else:
-                params, device = checked_params(type(self).__name__, group, index)
-                if not params:
-                    continue
-            _lean.check_params(type(self).__name__, group, params, f"param group {index}")
-            plan.append((group, params, device))
-        hyper.forget_from(len(self.param_groups))
         try:
+            stepped, found_inf = _held.try_step(self, hyper, grad_scale, found_inf, pending)
+            if stepped:
+                return loss
+            self._begin_step(None, grad_scale)
+            plan = []
+            for index, group in enumerate(self.param_groups):  # every group is checked before any steps
+                hyper.check(type(self).__name__, self._rules, self._all_group_rules(), group, index)
+                regular = regular_params(group["params"])
+                if regular is not None:
+                    params, _, device = regular
+                else:
+                    params, device = checked_params(type(self).__name__, group, index)
+                    if not params:
+                        continue
+                _lean.check_params(type(self).__name__, group, params, f"param group {index}")
+                plan.append((group, params, device))
+            hyper.forget_from(len(self.param_groups))
             return self._run_plan(plan, grad_scale, found_inf, lists, loss)
         finally:
             lists.clear()
+            self._end_step()
 
     def _step_caches(self) -> tuple[HyperCache, StepLists]:
         # Made on first use: copies (pickle, deepcopy) drop private attributes and start afresh.
@@ -272,6 +274,15 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _held_extras(self, group: dict, device: torch.device) -> tuple:
         return ()
+
+    def _begin_step(self, held: Optional[_held.HeldSteps], grad_scale: Optional[torch.Tensor]) -> bool:
+        """Before a step's first check (FusedLAMB: its global gradient norm), on the held path
+        (`held`: False when the held steps cannot take this step) and on the fully checked one
+        (`held` None: the return value is not read)."""
+        return True
+
+    def _end_step(self) -> None:
+        """After every step, held or not, made or refused (FusedLAMB drops its norm)."""
 
     def _held_check_in_step(self) -> bool:  # for mixprec.GradScaler (see _held.checks_in_step)
         return _held.checks_in_step(self)

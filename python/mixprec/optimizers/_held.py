@@ -75,6 +75,21 @@ class HeldSteps:
         self.state_values = list(optimizer.state.values())
         self.groups = groups
         self.used = False
+        self.norm: Optional[tuple[list, Any]] = None  # (devices, HeldNorm): made at first use
+
+    def global_grad_norms(self, grad_scale: Optional[torch.Tensor]) -> Optional[dict]:
+        """The unscaled L2 norm of every held group's grads together, on each device in use (FusedLAMB's
+        clipping norm: the same bits as FusedLAMB._global_grad_norms, see HeldNorm); None when some
+        param has no dense grad on its own device (the fully checked path's case)."""
+        if self.norm is None:
+            by_device: dict = {}
+            for g in self.groups:  # grads by device, in group order: the checked path's reduction order
+                by_device.setdefault(g.device, []).extend(g.params)
+            self.norm = (list(by_device), torch.classes.mixprec.HeldNorm(
+                list(chain.from_iterable(by_device.values())), list(map(len, by_device.values()))))
+        devices, plan = self.norm
+        norms = plan.norms(grad_scale)
+        return dict(zip(devices, norms)) if norms else None
 
     @staticmethod
     def current(optimizer: Any) -> Optional[HeldSteps]:
@@ -110,6 +125,8 @@ class HeldSteps:
         path (and its own inf check, into a new found_inf)."""
         if check_inf and any(g.device != found_inf.device for g in self.groups):
             return False  # the scaler's own check replicates found_inf per device
+        if not optimizer._begin_step(self, grad_scale):
+            return False
         if check_inf and len(self.groups) > 1:
             if not self.check_inf(found_inf, grad_scale):
                 return False

@@ -12,6 +12,12 @@ from ._base import FusedOptimizer, _device_scalar
 from ._rules import BETAS, CLIP_NORM, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, pair
 
 
+def _async_to(device: torch.device) -> bool:
+    """Whether a copy of a norm to `device` may be non-blocking: not to the CPU, whose kernels read
+    it at once (torch makes a non-blocking device-to-CPU copy into pinned memory, still in flight)."""
+    return device.type != "cpu"
+
+
 def _clips(group: dict) -> bool:
     """Whether a group clips: max_grad_norm 0 or inf turns clipping off."""
     return 0.0 < group["max_grad_norm"] < math.inf
@@ -33,8 +39,9 @@ class FusedLAMB(FusedOptimizer):
     keeps fp32 masters of fp16/bf16 params; moments are always fp32; ``max_grad_norm``,
     ``adam_w_mode`` and ``use_nvlamb`` are per-group settings (Apex reads them from the
     constructor only); ``max_grad_norm=0`` turns clipping off where Apex would zero the update.
-    No step synchronizes with the host. Under FSDP2 (sharded DTensor parameters) every norm is
-    that of the whole tensor: the shards' norms are reduced across ranks between the passes.
+    No step synchronizes with the host (but one with CPU groups beside GPU ones, for their norm).
+    Under FSDP2 (sharded DTensor parameters) every norm is that of the whole tensor: the shards'
+    norms are reduced across ranks between the passes.
     """
 
     _hyper_rules = {"lr": LR, "betas": BETAS, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE,
@@ -56,31 +63,32 @@ class FusedLAMB(FusedOptimizer):
     def _reset_caches(self):
         self._grad_norms: dict[torch.device, torch.Tensor] = {}
 
-    @torch.no_grad()
-    def step(self, closure=None, **legacy):
-        if legacy:
-            return super().step(closure, **legacy)  # raises the base class's explanation
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._grad_norms = self._global_grad_norms()
-        try:
-            super().step()
-        finally:
+    def _begin_step(self, held, grad_scale):
+        # The norm every clipping group's op call takes, before any of them (the op writes the
+        # unscaled grads back). Held: from the held params' grads in C++ (HeldNorm), no Python
+        # pass over the params.
+        if not any(map(_clips, self.param_groups)):
             self._grad_norms = {}
-        return loss
+            return True
+        norms = self._global_grad_norms(grad_scale) if held is None else held.global_grad_norms(grad_scale)
+        if norms is None:
+            return False
+        self._grad_norms = norms
+        return True
 
-    _held_per_step = ("global_grad_norm",)  # made anew every step (above): a held step takes it from here
+    def _end_step(self):
+        self._grad_norms = {}
+
+    _held_per_step = ("global_grad_norm",)  # made anew every step (_begin_step): a held step takes it from here
 
     def _held_extras(self, group, device):
         return (self._grad_norms.get(device) if _clips(group) else None,)
 
-    def _global_grad_norms(self) -> dict[torch.device, torch.Tensor]:
+    def _global_grad_norms(self, grad_scale) -> dict[torch.device, torch.Tensor]:
         """The unscaled L2 norm of all gradients of all groups, one copy per device in use, all
-        computed and divided on the device (no host sync). Empty when no group clips."""
-        if not any(_clips(g) for g in self.param_groups):
-            return {}
+        computed and divided on the device (no host sync, but for the copy into a CPU group beside GPU
+        ones). HeldNorm (csrc/ops/held_step.h) repeats these calls for held steps: a change here is
+        one there."""
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for group in self.param_groups:
             for p in group["params"]:
@@ -96,11 +104,12 @@ class FusedLAMB(FusedOptimizer):
         if len(norms) == 1:
             total = norms[0].reshape(1)
         else:  # several devices: combine the squares on the first one
-            total = torch.stack([n.to(first, non_blocking=True) for n in norms]).square().sum().sqrt().reshape(1)
-        grad_scale = _device_scalar(getattr(self, "grad_scale", None), first)
+            total = torch.stack([n.to(first, non_blocking=_async_to(first)) for n in norms]).square().sum()
+            total = total.sqrt().reshape(1)
+        grad_scale = _device_scalar(grad_scale, first)
         if grad_scale is not None:
             total = total / grad_scale
-        return {d: total if d == first else total.to(d, non_blocking=True) for d in by_device}
+        return {d: total if d == first else total.to(d, non_blocking=_async_to(d)) for d in by_device}
 
     def _init_state(self, p, group, state):
         # In the parameter's layout (preserve_format): the op walks an entry's tensors in one order.
