@@ -142,7 +142,9 @@ def test_grads_equal_torch_fused_adamw(dtype, device, gen):
             scaler.update()
         for i, (a, b) in enumerate(zip(ours, theirs)):
             assert_bitwise_equal(a.grad, b.grad, f"step {k}: grad {i} vs torch's fused AdamW")
-        if k == 2:
+        # Step 2 has an inf planted; a random coefficient past 65504 / 2**14 overflows an fp16 grad
+        # on its own (some seeds): a skipped step leaves the grads as they were, in either case.
+        if not all(bool(torch.isfinite(g).all()) for g in before):
             assert_unchanged(before, [p.grad for p in ours], "grads of the skipped step")
         else:
             assert not torch.equal(before[0], ours[0].grad), "the grads were not unscaled"
