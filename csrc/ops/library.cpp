@@ -149,10 +149,12 @@ TORCH_LIBRARY(mixprec, m) {
   // Raises unless every param is bfloat16: a group keeping remainder masters (loaded=False), or
   // params whose checkpoint entries hold remainders (loaded=True). owner and option name the
   // caller and its option; where names param i with "{}" for i. Reads only dtypes.
-  m.def("master_remainder_check(Tensor[] params, str owner, str option, str where, bool loaded=False) -> ()",
-        [](at::TensorList params, std::string owner, std::string option, std::string where, bool loaded) {
-          mixprec::detail::check_master_remainder(params, owner, option, where, loaded);
-        });
+  m.def(
+      "master_remainder_check(Tensor[] params, str owner, str option, str where, bool loaded=False) -> ()",
+      [](at::TensorList params, c10::string_view owner, c10::string_view option, c10::string_view where, bool loaded) {
+        mixprec::detail::check_master_remainder(params, std::string(owner), std::string(option), std::string(where),
+                                                loaded);
+      });
 
   // ---- norms (kernels/norm.*) ---------------------------------------------------------------
   // Returns (total, per_tensor): the norm (ord 2 or inf) of all tensors together as a 0-dim
