@@ -46,6 +46,7 @@ set(MIXPREC_OP_SOURCES
   csrc/ops/held_step.cpp
   csrc/ops/fp8.cpp
   csrc/ops/fp8_linear.cpp
+  csrc/ops/front_rules.cpp
   csrc/ops/lamb.cpp
   csrc/ops/layer_norm.cpp
   csrc/ops/layer_norm_autograd.cpp

@@ -3,6 +3,7 @@
 #include <mixprec/fp8.h>
 
 #include "ops/format.h"
+#include "ops/front_rules.h"  // the eligibility rule, python's Fp8Linear's too (fp8_linear_ineligibility op)
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -16,9 +17,7 @@
 
 namespace mixprec::fp8 {
 
-namespace {
-bool is_float(c10::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
-}  // namespace
+static_assert(kAlign == detail::kFp8Align, "fp8.h's kAlign is the rule's alignment");
 
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a, const at::Tensor& scale_b,
                      c10::ScalarType out_dtype, const at::Tensor& bias, std::optional<bool> emulate) {
@@ -31,10 +30,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::T
                       "mixprec::fp8::linear: expected a defined "
                       "input and a 2-D weight, got weight of ",
                       mixprec::detail::num(weight.defined() ? weight.dim() : int64_t{-1}), " dims");
-  const int64_t k = weight.size(1), n = weight.size(0);
-  const int64_t tokens = k && input.dim() ? input.numel() / k : 0;
-  if (!is_float(input.scalar_type()) || !is_float(weight.scalar_type()) || input.dim() == 0 || input.size(-1) != k ||
-      tokens == 0 || tokens % kAlign || n % kAlign || k % kAlign) {
+  if (!detail::fp8_linear_ineligibility(weight, &input).empty()) {
     ++state.fallbacks;
     return torch::nn::functional::linear(input, weight, bias);
   }
@@ -49,14 +45,9 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::T
 std::optional<std::string> ineligibility(const torch::nn::Module& module) {
   const auto* l = dynamic_cast<const torch::nn::LinearImpl*>(&module);
   if (l == nullptr) return module.name() + " is not a torch::nn::Linear";
-  std::string bad;
-  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"in_features", l->options.in_features()},
-                                {"out_features", l->options.out_features()}})
-    if (v % kAlign) bad += (bad.empty() ? "" : ", ") + std::string(name) + "=" + std::to_string(v);
-  if (!bad.empty()) return bad + " not a multiple of " + std::to_string(kAlign);
-  if (!is_float(l->weight.scalar_type()))
-    return "weight dtype " + std::string(c10::toString(l->weight.scalar_type())) + " is not Float, Half or BFloat16";
-  return std::nullopt;
+  std::string why = detail::fp8_linear_ineligibility(l->weight);
+  if (why.empty()) return std::nullopt;
+  return why;
 }
 
 LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_, Recipe recipe)

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "api/api_util.h"
+#include "ops/front_rules.h"
 
 namespace mixprec::optim {
 
@@ -72,9 +73,8 @@ at::Tensor FusedOptimizer::checked_slot(const std::string& where, const std::str
                      value.scalar_type());
   MIXPREC_CHECK_VALUE(value.sizes() == param.sizes(), where, " has shape ", detail::shape(value.sizes()),
                       " but the parameter has ", detail::shape(param.sizes()));
-  if (remainder) {
-    MIXPREC_CHECK_TYPE(param.scalar_type() == at::kBFloat16, where, " is an int16 remainder, which needs a bfloat16 ",
-                       "parameter; the parameter is ", param.scalar_type());
+  if (remainder) {  // the rule and text of python's load_state_dict too (ops/front_rules.h)
+    detail::check_master_remainder(param, "", "master_remainder", where, /*loaded=*/true);
     return value;
   }
   if (key == "master_param") {

@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "api/api_util.h"
+#include "ops/front_rules.h"
 
 namespace mixprec::optim {
 
@@ -114,10 +115,6 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
     const at::Tensor& p = params[j];
     MIXPREC_CHECK_TYPE(op_dtype(p.scalar_type()), param_where(name_, index, j), " has dtype ", p.scalar_type(),
                        "; expected float32, float16 or bfloat16");
-    MIXPREC_CHECK_VALUE(
-        !options.uses_master_weights() || !options.uses_master_remainder() || p.scalar_type() == at::kBFloat16,
-        param_where(name_, index, j), " is ", p.scalar_type(),
-        ": master_remainder needs bfloat16 params (put others in a group of their own)");
     MIXPREC_CHECK_VALUE(p.is_non_overlapping_and_dense(), param_where(name_, index, j), " has strides ",
                         detail::shape(p.strides()), " for shape ", detail::shape(p.sizes()),
                         ", which skip or repeat memory; expected a dense parameter (contiguous, channels_last or "
@@ -141,6 +138,11 @@ void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tenso
                           detail::shape(p.strides()));
     }
   }
+  // After the per-param checks, as the Python front orders them; the rule and its text are the
+  // ones python's master_weights="remainder" gets (ops/front_rules.h).
+  if (options.uses_master_weights() && options.uses_master_remainder())
+    detail::check_master_remainder(params, name_, "master_remainder", group_where("", index).substr(2) + ": params[{}]",
+                                   /*loaded=*/false);
 }
 
 // ---- the lists -------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ops/fp8.h"
+#include "ops/front_rules.h"  // fp8_dim_fits: the shape rule the fronts' fallbacks follow too
 #include "ops/tensor_lists.h"
 
 namespace mixprec::detail {
@@ -23,7 +24,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 constexpr const char* kOp = "fp8_linear";
-constexpr int64_t kAlign = 16;  // torch._scaled_mm's tiles: every GEMM dimension a multiple of 16
 enum Role : int64_t { kInput = 0, kWeight = 1, kGradOutput = 2 };
 
 // The recipe as the op takes it (python: Fp8Recipe, C++: fp8::Recipe).
@@ -81,9 +81,9 @@ void check_args(const at::Tensor& input, const at::Tensor& weight, const std::op
   MIXPREC_CHECK_VALUE(input.dim() >= 1 && input.sym_size(-1) == k, arg_name(kOp, "input"), " has shape ",
                       shape(input.sym_sizes()), "; its last dimension must be in_features = ", num(k));
   const c10::SymInt tokens = k == 0 ? c10::SymInt(0) : input.sym_numel() / k;
-  MIXPREC_CHECK_VALUE(n > 0 && k > 0 && tokens > 0 && n % kAlign == 0 && k % kAlign == 0 && tokens % kAlign == 0,
-                      "mixprec::fp8_linear: out_features ", num(n), ", in_features ", num(k), " and the token count ",
-                      num(tokens), " (input's elements / in_features) must be positive multiples of ", num(kAlign),
+  MIXPREC_CHECK_VALUE(fp8_dim_fits(n) && fp8_dim_fits(k) && fp8_dim_fits(tokens), "mixprec::fp8_linear: out_features ",
+                      num(n), ", in_features ", num(k), " and the token count ", num(tokens),
+                      " (input's elements / in_features) must be positive multiples of ", num(kFp8Align),
                       " (torch._scaled_mm's tiles); run plain linear for other shapes");
   if (bias.has_value() && bias->defined()) {
     MIXPREC_CHECK(bias->device() == input.device(), arg_name(kOp, "bias"), " is on ", bias->device().str(),

@@ -17,6 +17,7 @@
 #include <mixprec/optim_args.h>
 
 #include "ops/format.h"
+#include "ops/front_rules.h"
 
 #ifndef MIXPREC_TORCH_VERSION
 #define MIXPREC_TORCH_VERSION "unknown"
@@ -136,6 +137,24 @@ TORCH_LIBRARY(mixprec, m) {
   m.def(
       "fp8_scaled_mm(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, ScalarType out_dtype, Tensor? bias=None, "
       "bool? emulate=None) -> Tensor");
+  // Why (weight, input) would not run in FP8 ("" if it would), the rule both fronts' Linears
+  // follow before calling fp8_linear, which refuses such shapes (ops/front_rules.h). Without
+  // input, whether a module with this weight can become an FP8 Linear at all.
+  m.def("fp8_linear_ineligibility(Tensor weight, Tensor? input=None) -> str",
+        [](const at::Tensor& weight, const std::optional<at::Tensor>& input) {
+          return mixprec::detail::fp8_linear_ineligibility(weight, input.has_value() ? &*input : nullptr);
+        });
+
+  // ---- the fused optimizers' front rules (ops/front_rules.h) -----------------------------------
+  // Raises unless every param is bfloat16: a group keeping remainder masters (loaded=False), or
+  // params whose checkpoint entries hold remainders (loaded=True). owner and option name the
+  // caller and its option; where names param i with "{}" for i. Reads only dtypes.
+  m.def(
+      "master_remainder_check(Tensor[] params, str owner, str option, str where, bool loaded=False) -> ()",
+      [](at::TensorList params, c10::string_view owner, c10::string_view option, c10::string_view where, bool loaded) {
+        mixprec::detail::check_master_remainder(params, std::string(owner), std::string(option), std::string(where),
+                                                loaded);
+      });
 
   // ---- norms (kernels/norm.*) ---------------------------------------------------------------
   // Returns (total, per_tensor): the norm (ord 2 or inf) of all tensors together as a 0-dim

@@ -10,6 +10,7 @@
 #include <array>
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -348,6 +349,27 @@ inline at::Tensor fp8_scaled_mm(const at::Tensor& a, const at::Tensor& b, const 
                          const std::optional<at::Tensor>&, std::optional<bool>);
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::fp8_scaled_mm", "").typed<Sig>();
   return op.call(a, b, scale_a, scale_b, out_dtype, bias, emulate);
+}
+
+// Why (weight, input) would run plain linear instead of fp8_linear ("" if FP8 takes them); with
+// no input, why a Linear of this weight cannot become an FP8 Linear. The rule fp8::linear,
+// fp8::ineligibility and python's Fp8Linear all follow (the schema in csrc/ops/library.cpp).
+inline std::string fp8_linear_ineligibility(const at::Tensor& weight,
+                                            const std::optional<at::Tensor>& input = std::nullopt) {
+  using Sig = std::string(const at::Tensor&, const std::optional<at::Tensor>&);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::fp8_linear_ineligibility", "").typed<Sig>();
+  return op.call(weight, input);
+}
+
+// Raises unless every param is bfloat16, in the words of the caller (owner), its option and its
+// way of naming param i (where, "{}" for i): the rule of remainder masters, both fronts'.
+inline void master_remainder_check(at::TensorList params, c10::string_view owner, c10::string_view option,
+                                   c10::string_view where, bool loaded = false) {
+  using Sig = void(at::TensorList, c10::string_view, c10::string_view, c10::string_view, bool);
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mixprec::master_remainder_check", "").typed<Sig>();
+  op.call(params, owner, option, where, loaded);
 }
 
 }  // namespace mixprec

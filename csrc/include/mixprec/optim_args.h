@@ -8,7 +8,7 @@
 // Adding a hyper-parameter to a family = one X(...) line here plus its math in kernels/<family>.h
 // (the kernels' parameter blocks hold these structs).
 //
-// Every family ends with the same two: stochastic_rounding (bf16 params without masters take the
+// Every family ends with the same two, MIXPREC_ROUNDING_ARGS: stochastic_rounding (bf16 params without masters take the
 // update rounded stochastically, from a counter-based hash of (seed, step, tensor, element), so
 // CPU and CUDA agree bit for bit; kernels/optim_common.h; it needs a step count, as it hashes
 // it) and its seed.
@@ -19,6 +19,8 @@
 #include "export.h"  // beside this header: the kernel tier includes it by path, without csrc/include
 
 // clang-format off
+#define MIXPREC_ROUNDING_ARGS(X) X(bool, stochastic_rounding, false) X(int64_t, seed, 0)
+
 #define MIXPREC_ADAM_ARGS(X)          \
   X(double, beta1, 0.9)               \
   X(double, beta2, 0.999)             \
@@ -27,8 +29,7 @@
   X(bool, adam_w_mode, true)          \
   X(bool, bias_correction, true)      \
   X(bool, maximize, false)            \
-  X(bool, stochastic_rounding, false) \
-  X(int64_t, seed, 0)
+  MIXPREC_ROUNDING_ARGS(X)
 
 #define MIXPREC_SGD_ARGS(X)           \
   X(double, momentum, 0.0)            \
@@ -37,8 +38,7 @@
   X(bool, nesterov, false)            \
   X(bool, wd_after_momentum, false)   \
   X(bool, maximize, false)            \
-  X(bool, stochastic_rounding, false) \
-  X(int64_t, seed, 0)
+  MIXPREC_ROUNDING_ARGS(X)
 
 #define MIXPREC_LAMB_ARGS(X)          \
   X(double, beta1, 0.9)               \
@@ -50,8 +50,7 @@
   X(bool, adam_w_mode, true)          \
   X(double, max_grad_norm, 1.0)       \
   X(bool, use_nvlamb, false)          \
-  X(bool, stochastic_rounding, false) \
-  X(int64_t, seed, 0)
+  MIXPREC_ROUNDING_ARGS(X)
 
 #define MIXPREC_ADAGRAD_ARGS(X)       \
   X(double, eps, 1e-10)               \
@@ -59,8 +58,7 @@
   X(double, lr_decay, 0.0)            \
   X(bool, adagrad_w_mode, false)      \
   X(bool, maximize, false)            \
-  X(bool, stochastic_rounding, false) \
-  X(int64_t, seed, 0)
+  MIXPREC_ROUNDING_ARGS(X)
 
 #define MIXPREC_NOVOGRAD_ARGS(X)      \
   X(double, beta1, 0.9)               \
@@ -72,8 +70,7 @@
   X(bool, reg_inside_moment, false)   \
   X(double, norm_type, 2.0)           \
   X(bool, init_zero, false)           \
-  X(bool, stochastic_rounding, false) \
-  X(int64_t, seed, 0)
+  MIXPREC_ROUNDING_ARGS(X)
 
 // The rest of each op's declaration. Its tensors before the keyword arguments, in schema order:
 // X(kind, name, alias), kind LIST (Tensor[]) or TENSOR, alias the schema's annotation (each is

@@ -10,13 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from .. import _ops_fp8
+from .._ops import _ops
 from . import distributed
 from .recipe import Fp8Recipe
 from .state import Fp8ScalingState
 
-#: _scaled_mm's rule: every GEMM dimension a multiple of 16 (its FP8 tensor-core tiles).
+#: _scaled_mm's rule: every GEMM dimension a multiple of 16 (its FP8 tensor-core tiles). The rule
+#: itself is the library's (the fp8_linear_ineligibility op, the C++ front's too).
 ALIGN = 16
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def ineligibility(module: torch.nn.Module) -> Optional[str]:
@@ -24,13 +27,25 @@ def ineligibility(module: torch.nn.Module) -> Optional[str]:
     ``nn.Linear`` whose in_features and out_features are both multiples of 16."""
     if not isinstance(module, torch.nn.Linear):
         return f"{type(module).__name__} is not an nn.Linear"
-    bad = [f"{n}={v}" for n, v in (("in_features", module.in_features), ("out_features", module.out_features))
-           if v % ALIGN]
-    if bad:
-        return f"{', '.join(bad)} not a multiple of {ALIGN}"
-    if module.weight.dtype not in _FLOATS:
-        return f"weight dtype {module.weight.dtype} is not float32, float16 or bfloat16"
-    return None
+    # The op reads a weight's shape and dtype only: a meta stand-in serves any weight (a DTensor,
+    # a lazy module's), shaped by the module's features as the C++ front's options are.
+    weight = torch.empty((module.out_features, module.in_features), dtype=module.weight.dtype, device="meta")
+    return _ops.fp8_linear_ineligibility(weight, None) or None
+
+
+def _falls_back(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether fp8_linear runs plain linear for (x, weight): the library's rule, asked eagerly.
+    torch.compile cannot trace an op that returns a str, so its trace evaluates the rule's
+    arithmetic here (over symbolic shapes, which it guards); tests/python/test_front_rules.py
+    checks that both answer alike across the boundaries."""
+    if torch.compiler.is_compiling():
+        k = weight.shape[1]
+        tokens = x.numel() // k if k else 0
+        return (x.dtype not in _FLOATS or weight.dtype not in _FLOATS or x.dim() == 0 or x.shape[-1] != k
+                or not all(d > 0 and d % ALIGN == 0 for d in (weight.shape[0], k, tokens)))
+    if type(x) not in _PLAIN or type(weight) not in _PLAIN:  # subclasses' dispatch knows no mixprec op
+        x, weight = (torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (x, weight))
+    return bool(_ops.fp8_linear_ineligibility(weight, x))
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -47,10 +62,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     and the token count multiples of 16, float inputs); otherwise plain ``F.linear``. The GEMMs,
     casts and scale updates are the C++ op ``mixprec::fp8_linear`` (the C++ front's too); under a
     process group the ranks' amaxes are reduced as :mod:`.distributed` describes."""
-    k = weight.shape[1]
-    tokens = x.numel() // k if k else 0
-    if (x.dtype not in _FLOATS or weight.dtype not in _FLOATS or tokens == 0 or tokens % ALIGN
-            or weight.shape[0] % ALIGN or k % ALIGN or x.shape[-1] != k):
+    if _falls_back(x, weight):
         state.fallbacks += 1
         return F.linear(x, weight, bias)
     r = state.recipe

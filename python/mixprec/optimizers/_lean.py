@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._ops import _ops
 from ._rules import GroupRule, Rule
 
 # master_weights: True keeps an fp32 master per fp16/bf16 param; "remainder" keeps only the low
@@ -22,6 +23,9 @@ GROUP_RULES = (GroupRule(("master_weights", "rounding"), lambda mw, r: not (mw a
 # Group options newer than some checkpoints: a group saved without them keeps this optimizer's.
 LATER_OPTIONS = ("rounding", "seed")
 REMAINDER = "master_remainder"
+# The option as errors name it; the rule behind it (bfloat16 params only) is the library's
+# master_remainder_check op, which the C++ front's master_remainder calls too (ops/front_rules.h).
+REMAINDER_OPTION = "master_weights='remainder'"
 
 
 def check_params(owner: str, group: dict, params: Any, where: str) -> None:
@@ -31,14 +35,25 @@ def check_params(owner: str, group: dict, params: Any, where: str) -> None:
     stochastic = group.get("rounding") == "stochastic"
     if not (remainder or stochastic) or not isinstance(params, (list, tuple)):
         return  # the common case, on every step: no loop over the params
+    if remainder:
+        _ops.master_remainder_check(_dtypes_of(params), owner, REMAINDER_OPTION, f"{where} param {{}}", False)
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             continue
-        if remainder and p.dtype != torch.bfloat16:
-            raise ValueError(f"{owner}: master_weights='remainder' needs bfloat16 params; {where} param {i} is "
-                             f"{p.dtype} (put it in a group of its own with master_weights=True or False)")
         if stochastic and p.dtype == torch.float16:
             raise ValueError(f"{owner}: rounding='stochastic' rounds to bfloat16; {where} param {i} is float16")
+
+
+_BF16 = torch.empty(0, dtype=torch.bfloat16, device="meta")
+
+
+def _dtypes_of(params: Any) -> list[torch.Tensor]:
+    """`params` as the rule op reads them, by dtype only: plain tensors as they are, a tensor
+    subclass (a DTensor, whose dispatch knows no mixprec op) as an empty meta tensor of its dtype,
+    and anything else (refused later, by torch) as a bfloat16 one, which keeps the indices."""
+    return [p if type(p) in (torch.Tensor, torch.nn.Parameter)
+            else torch.empty(0, dtype=p.dtype, device="meta") if isinstance(p, torch.Tensor) else _BF16
+            for p in params]
 
 
 def op_args(optimizer: Any, params: list[torch.Tensor], group: dict, state_dicts: Optional[list] = None) -> dict:
@@ -128,6 +143,5 @@ def loaded_remainder(value: Any, p: torch.Tensor, where: str) -> torch.Tensor:
         raise ValueError(f"{where} is {got}; expected an int16 tensor (the low halves of fp32 masters)")
     if value.shape != p.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}")
-    if p.dtype != torch.bfloat16:
-        raise ValueError(f"{where} is a remainder master, which needs a bfloat16 parameter; the parameter is {p.dtype}")
+    _ops.master_remainder_check(_dtypes_of([p]), "", REMAINDER_OPTION, where, True)  # as C++'s load
     return torch.empty_like(p, dtype=torch.int16, device=p.device).copy_(value.detach())

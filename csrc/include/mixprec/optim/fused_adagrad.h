@@ -9,8 +9,7 @@ namespace mixprec::optim {
 #define MIXPREC_FUSED_ADAGRAD_OWN_OPTIONS(X) \
   X(double, lr, 1e-2)                        \
   X(double, initial_accumulator_value, 0.0)  \
-  X(bool, master_weights, false)             \
-  X(bool, master_remainder, false)
+  MIXPREC_FUSED_WEIGHT_OPTIONS(X)
 
 // Apex's FusedAdagrad defaults (adagrad_w_mode: decoupled decay, w -= lr * (g / (sqrt(sum) + eps)
 // + weight_decay * w)) plus torch::optim::AdagradOptions' lr_decay and initial_accumulator_value,

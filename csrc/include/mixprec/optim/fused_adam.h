@@ -12,8 +12,7 @@ namespace mixprec::optim {
 #define MIXPREC_FUSED_ADAM_OWN_OPTIONS(X) \
   X(double, lr, 1e-3)                     \
   X(bool, amsgrad, false)                 \
-  X(bool, master_weights, false)          \
-  X(bool, master_remainder, false)        \
+  MIXPREC_FUSED_WEIGHT_OPTIONS(X)         \
   X(c10::ScalarType, state_dtype, c10::kFloat)
 
 // Apex's and the Python front's defaults: adam_w_mode=true (AdamW's decoupled decay; false: L2

@@ -13,8 +13,7 @@ namespace mixprec::optim {
 
 #define MIXPREC_FUSED_LAMB_OWN_OPTIONS(X) \
   X(double, lr, 1e-3)                     \
-  X(bool, master_weights, false)          \
-  X(bool, master_remainder, false)
+  MIXPREC_FUSED_WEIGHT_OPTIONS(X)
 
 // Apex's FusedLAMB defaults. max_grad_norm 0 (or inf) turns clipping off.
 struct MIXPREC_API FusedLAMBOptions : public FusedOptionsFor<FusedLAMBOptions, LambArgs> {

@@ -12,8 +12,7 @@ namespace mixprec::optim {
 
 #define MIXPREC_FUSED_NOVOGRAD_OWN_OPTIONS(X) \
   X(double, lr, 1e-3)                         \
-  X(bool, master_weights, false)              \
-  X(bool, master_remainder, false)
+  MIXPREC_FUSED_WEIGHT_OPTIONS(X)
 
 // Apex's FusedNovoGrad defaults. norm_type 2, or 0 / infinity for the infinity norm.
 struct MIXPREC_API FusedNovoGradOptions : public FusedOptionsFor<FusedNovoGradOptions, NovoGradArgs> {

@@ -18,6 +18,11 @@
 #include <mixprec/optim/fused_optimizer.h>
 #include <mixprec/optim_args.h>
 
+// The weight options of every family, last but state_dtype in its option-only list (FusedOptionsFor
+// reads both): fp32 masters of fp16/bf16 params; with master_remainder, of a bf16 param only the
+// master's low 16 bits (csrc/ops/front_rules.h holds the rule, docs/optimizers.md the numerics).
+#define MIXPREC_FUSED_WEIGHT_OPTIONS(X) X(bool, master_weights, false) X(bool, master_remainder, false)
+
 namespace mixprec::optim {
 namespace internal {
 

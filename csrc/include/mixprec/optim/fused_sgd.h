@@ -14,8 +14,7 @@ inline constexpr c10::ScalarType kMomentumInParamDtype = c10::ScalarType::Undefi
 // torch::optim::SGD's storage: an fp16/bf16 param's buffer in its dtype, see kernels/sgd.h).
 #define MIXPREC_FUSED_SGD_OWN_OPTIONS(X) \
   X(double, lr, 0.0)                     \
-  X(bool, master_weights, false)         \
-  X(bool, master_remainder, false)       \
+  MIXPREC_FUSED_WEIGHT_OPTIONS(X)        \
   X(c10::ScalarType, state_dtype, c10::kFloat)
 
 // torch::optim::SGDOptions' fields plus Apex's wd_after_momentum (decay added to the
