@@ -123,17 +123,22 @@ void no_tensors(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // The Meta kernel of every optimizer op and its validate-only twin: they return nothing, so
 // torch.compile's fake tensors need no shapes from them; list lengths are what is checkable
 // without data. Each non-empty tensor list must match params' (arguments[0]) length; the rules
-// on which lists may be empty (sgd's momentum_buffers ...) are the impls'.
+// on which lists may be empty (sgd's momentum_buffers ...) are the impls'. Every tensor must be on
+// the meta device too (check_on_meta).
 void optim_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const std::vector<c10::Argument>& args = op.schema().arguments();
   const auto in = torch::jit::last(*stack, args.size());
   const std::string name = op.schema().name().substr(sizeof("mixprec::") - 1);
   const size_t n = in[0].toTensorList().size();
-  for (size_t i = 1; i < args.size(); ++i) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const char* arg = args[i].name().c_str();
+    if (in[i].isTensor()) check_on_meta(name.c_str(), arg, in[i].toTensor());
     if (!in[i].isTensorList()) continue;
-    const size_t k = in[i].toTensorList().size();
-    MIXPREC_CHECK_VALUE(k == 0 || k == n, arg_name(name.c_str(), args[i].name().c_str()), " has ", num(k),
-                        " tensors but params has ", num(n));
+    const c10::List<at::Tensor> list = in[i].toTensorList();
+    for (size_t j = 0; j < list.size(); ++j) check_on_meta(name.c_str(), arg, list.get(j), static_cast<int64_t>(j));
+    const size_t k = list.size();
+    MIXPREC_CHECK_VALUE(k == 0 || k == n, arg_name(name.c_str(), arg), " has ", num(k), " tensors but params has ",
+                        num(n));
   }
   torch::jit::drop(*stack, args.size());
 }
