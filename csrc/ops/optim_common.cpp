@@ -3,6 +3,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -143,6 +144,34 @@ void optim_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::drop(*stack, args.size());
 }
 
+// The ADInplaceOrView kernel of every optimizer op (not the validate-only twins, which write
+// nothing): after a step, the version counters of the tensors it wrote in place (params, masters,
+// state, the step count) move on, as any in-place torch op's do. Autograd then refuses a backward
+// through a graph that saved a weight the step changed (a forward, then step(), then backward),
+// as it does for torch.optim, instead of computing gradients from the new weights; and caches
+// keyed on versions (O1's casts of weights) see the change. Grads are left alone: the op writes
+// them only to unscale them, and amp tracks their versions as its own marks (amp/_grad_marks.py).
+// A refused call bumps nothing. Inference tensors have no version counter to move.
+void optim_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const std::vector<c10::Argument>& args = op.schema().arguments();
+  std::vector<at::Tensor> written;
+  {
+    const auto in = torch::jit::last(*stack, args.size());
+    for (size_t i = 0; i < args.size(); ++i) {
+      const c10::AliasInfo* alias = args[i].alias_info();
+      if (alias == nullptr || !alias->isWrite() || args[i].name() == "grads") continue;
+      if (in[i].isTensor()) {
+        written.push_back(in[i].toTensor());
+      } else if (in[i].isTensorList()) {
+        for (const at::Tensor& t : in[i].toTensorList()) written.push_back(t);
+      }
+    }
+  }
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  for (const at::Tensor& t : written)
+    if (t.defined() && !t.is_inference()) torch::autograd::impl::bump_version(t);
+}
+
 }  // namespace
 
 #define MIXPREC_OPTIM_OP_NAMES(op, Struct, MACRO) #op "_", #op "_check",
@@ -155,6 +184,13 @@ TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(mixprec, Meta, m) {
   for (const char* name : {MIXPREC_OPTIM_FAMILIES(MIXPREC_OPTIM_OP_NAMES)})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&optim_meta>());
+}
+
+#define MIXPREC_OPTIM_STEP_NAME(op, Struct, MACRO) #op "_",
+
+TORCH_LIBRARY_IMPL(mixprec, ADInplaceOrView, m) {
+  for (const char* name : {MIXPREC_OPTIM_FAMILIES(MIXPREC_OPTIM_STEP_NAME)})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&optim_bump_versions>());
 }
 
 }  // namespace mixprec::detail
