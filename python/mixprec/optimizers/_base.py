@@ -352,7 +352,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 device = group["params"][0].device if group["params"] else torch.device("cpu")
                 new_group["step"] = step.to(device, copy=True)  # never shared with the source
             new_groups.append(new_group)
+            before = len(id_to_param)
             id_to_param.update((pid, (p, new_group)) for pid, p in zip(saved["params"], group["params"]))
+            if len(id_to_param) != before + len(saved["params"]):
+                # A corrupt id list would hand one param's state to another, as torch's loader does.
+                pid = next(pid for i, pid in enumerate(saved["params"])
+                           if pid in saved["params"][:i] or any(pid in g["params"] for g in saved_groups[:gi]))
+                raise ValueError(f"{name}.load_state_dict: param group {gi} lists parameter id {pid!r}, which the "
+                                 "checkpoint gives to another parameter too; expected each id once")
 
         new_state: dict[torch.Tensor, dict] = defaultdict(dict)
         for pid, saved_state in state_dict["state"].items():
