@@ -102,6 +102,12 @@ class _ScaleLoss:
                                    "amp.initialize; pass every optimizer through amp.initialize first")
             if stash.poisoned:
                 raise RuntimeError(stash.poisoned_message("amp.scale_loss"))
+            if stash.unfinished is not None and stash.unfinished.active:
+                # Its exit would take the inner block's gradients, already unscaled, for its own.
+                raise RuntimeError(f"amp.scale_loss: optimizers[{i}] ({type(opt).__name__}) is in an open `with "
+                                   "amp.scale_loss` block already: nested blocks over one optimizer would unscale the "
+                                   "inner block's gradients twice. End one block before opening the next (nothing "
+                                   "was changed)")
             stashes.append(stash)
         scaler = _scaler(self.loss_id, "amp.scale_loss")
         unit = not scaler.dynamic and scaler.state.init_scale == 1.0
