@@ -340,3 +340,19 @@ def test_o1_handle_casts_see_a_fused_step(gen):
         assert_bitwise_equal(after, expected)
     finally:
         handle._deactivate()
+
+
+@pytest.mark.parametrize("module, name, exc, pattern", [
+    ("torch", "mm", TypeError, "module must be the module or class object .* got the string 'torch'"),
+    (torch, 3, TypeError, "function_name must be a string, got int"),
+    (torch, "float16", TypeError, "torch.float16 is a dtype, not a function"),
+    (torch, "no_such_function", ValueError, r"No function named no_such_function in module .*\(amp.register_half_function\)"),
+], ids=["module_by_name", "name_not_str", "not_callable", "missing"])
+def test_register_refuses_what_it_cannot_wrap_and_patches_nothing(module, name, exc, pattern):
+    """A module given by name was reported as lacking the function; torch.float16 was replaced by
+    a cast wrapper, breaking every later dtype=torch.float16 in the process."""
+    dtype, mm = torch.float16, torch.mm
+    with pytest.raises(exc, match=pattern):
+        amp.register_half_function(module, name)
+    assert torch.float16 is dtype and torch.mm is mm
+    assert torch.zeros(1, dtype=torch.float16).dtype is dtype
