@@ -90,6 +90,17 @@ def test_device_scalars_may_be_0_dim_or_one_element(form, gen):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("flag", [float("nan"), 0.5, -1.0])
+def test_any_non_zero_found_inf_skips_the_step(flag, gen):
+    """torch's fused Adam skips only on found_inf == 1 and steps on these; mixprec skips on any
+    non-zero flag, so a malformed one cannot apply an overflowing step."""
+    p, g, m, v = adam_lists(gen)
+    before = [t.clone() for t in p + m + v]
+    _ops.adam_(p, g, m, v, step=1, found_inf=torch.full((1,), flag), **HYPER)
+    for a, b in zip(p + m + v, before):
+        assert_bitwise_equal(a, b)
+
+
 def test_transposed_lists_step_like_contiguous_ones(gen):
     p, g, m, v = adam_lists(gen)
     q, h, n, w = [[t.t().contiguous() for t in lst] for lst in (p, g, m, v)]
