@@ -154,22 +154,27 @@ void optim_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // A refused call bumps nothing. Inference tensors have no version counter to move.
 void optim_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const std::vector<c10::Argument>& args = op.schema().arguments();
-  std::vector<at::Tensor> written;
+  // The written arguments as IValues: a list is kept by one reference, not one per tensor (the
+  // held steps pass ~1500 tensors a step through here).
+  std::vector<c10::IValue> written;
   {
     const auto in = torch::jit::last(*stack, args.size());
     for (size_t i = 0; i < args.size(); ++i) {
       const c10::AliasInfo* alias = args[i].alias_info();
-      if (alias == nullptr || !alias->isWrite() || args[i].name() == "grads") continue;
-      if (in[i].isTensor()) {
-        written.push_back(in[i].toTensor());
-      } else if (in[i].isTensorList()) {
-        for (const at::Tensor& t : in[i].toTensorList()) written.push_back(t);
-      }
+      if (alias != nullptr && alias->isWrite() && args[i].name() != "grads") written.push_back(in[i]);
     }
   }
   op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
-  for (const at::Tensor& t : written)
+  const auto bump = [](const at::Tensor& t) {
     if (t.defined() && !t.is_inference()) torch::autograd::impl::bump_version(t);
+  };
+  for (const c10::IValue& v : written) {
+    if (v.isTensor()) {
+      bump(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const c10::IValue& t : v.toListRef()) bump(t.toTensor());
+    }
+  }
 }
 
 }  // namespace
