@@ -32,10 +32,19 @@ void non_finite_check_and_unscale_impl(at::TensorList grads, const std::optional
   }
 
   // In place: the output list is the input list. Check only: a single list, never written.
+  // Out of place, out[i] may be grads[i] itself (that entry in place); any other shared memory
+  // between what is written and what is read (out[0] = grads[1], a grad listed twice in place)
+  // would unscale one tensor into another, or one tensor twice: refused.
   const bool writes = !out.empty() || inv_scale.has_value();
-  std::vector<NamedList> lists{{"grads", grads}};
-  if (writes) lists.push_back(out.empty() ? NamedList{"grads", grads} : NamedList{"out", out});
-  const PackedLists packed = pack_lists(kOp, lists, device);
+  std::vector<NamedList> lists{{"grads", grads, /*written=*/writes && out.empty()}};
+  if (writes)
+    lists.push_back(out.empty() ? NamedList{"grads", grads} : NamedList{"out", out, true, /*may_be_params=*/true});
+  const PackedLists packed = pack_lists(kOp, lists, device, {/*dense_layouts=*/false, /*refuse_overlap=*/writes});
+  check_scalars_apart(kOp,
+                      {{"found_inf", found_inf ? &*found_inf : nullptr, true},
+                       {"inv_scale", inv_scale ? &*inv_scale : nullptr, false},
+                       {"per_tensor_found", per_tensor_found ? &*per_tensor_found : nullptr, true}},
+                      lists);
 
   const c10::DeviceGuard guard(device);
   for (const kernels::TensorGroup& g : packed.groups) {
@@ -73,6 +82,11 @@ void update_scale_impl(const at::Tensor& scale, const at::Tensor& growth_tracker
                       " must be 0 (no cap) or >= min_scale = ", num(min_scale), ", got ", num(max_scale));
   MIXPREC_CHECK_VALUE(hysteresis == 1 || hysteresis_tracker.has_value(), arg_name(kOp, "hysteresis_tracker"),
                       " is required when hysteresis > 1");
+  check_scalars_apart(kOp, {{"scale", &scale, true},
+                            {"growth_tracker", &growth_tracker, true},
+                            {"hysteresis_tracker", hysteresis_tracker ? &*hysteresis_tracker : nullptr, true},
+                            {"skipped_steps", skipped_steps ? &*skipped_steps : nullptr, true},
+                            {"found_inf", &found_inf, false}});
 
   kernels::ScaleUpdateParams p;
   p.scale = scale.data_ptr<float>();

@@ -3,6 +3,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -123,19 +124,57 @@ void no_tensors(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // The Meta kernel of every optimizer op and its validate-only twin: they return nothing, so
 // torch.compile's fake tensors need no shapes from them; list lengths are what is checkable
 // without data. Each non-empty tensor list must match params' (arguments[0]) length; the rules
-// on which lists may be empty (sgd's momentum_buffers ...) are the impls'.
+// on which lists may be empty (sgd's momentum_buffers ...) are the impls'. Every tensor must be on
+// the meta device too (check_on_meta).
 void optim_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const std::vector<c10::Argument>& args = op.schema().arguments();
   const auto in = torch::jit::last(*stack, args.size());
   const std::string name = op.schema().name().substr(sizeof("mixprec::") - 1);
   const size_t n = in[0].toTensorList().size();
-  for (size_t i = 1; i < args.size(); ++i) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    const char* arg = args[i].name().c_str();
+    if (in[i].isTensor()) check_on_meta(name.c_str(), arg, in[i].toTensor());
     if (!in[i].isTensorList()) continue;
-    const size_t k = in[i].toTensorList().size();
-    MIXPREC_CHECK_VALUE(k == 0 || k == n, arg_name(name.c_str(), args[i].name().c_str()), " has ", num(k),
-                        " tensors but params has ", num(n));
+    const c10::List<at::Tensor> list = in[i].toTensorList();
+    for (size_t j = 0; j < list.size(); ++j) check_on_meta(name.c_str(), arg, list.get(j), static_cast<int64_t>(j));
+    const size_t k = list.size();
+    MIXPREC_CHECK_VALUE(k == 0 || k == n, arg_name(name.c_str(), arg), " has ", num(k), " tensors but params has ",
+                        num(n));
   }
   torch::jit::drop(*stack, args.size());
+}
+
+// The ADInplaceOrView kernel of every optimizer op (not the validate-only twins, which write
+// nothing): after a step, the version counters of the tensors it wrote in place (params, masters,
+// state, the step count) move on, as any in-place torch op's do. Autograd then refuses a backward
+// through a graph that saved a weight the step changed (a forward, then step(), then backward),
+// as it does for torch.optim, instead of computing gradients from the new weights; and caches
+// keyed on versions (O1's casts of weights) see the change. Grads are left alone: the op writes
+// them only to unscale them, and amp tracks their versions as its own marks (amp/_grad_marks.py).
+// A refused call bumps nothing. Inference tensors have no version counter to move.
+void optim_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const std::vector<c10::Argument>& args = op.schema().arguments();
+  // The written arguments as IValues: a list is kept by one reference, not one per tensor (the
+  // held steps pass ~1500 tensors a step through here).
+  std::vector<c10::IValue> written;
+  {
+    const auto in = torch::jit::last(*stack, args.size());
+    for (size_t i = 0; i < args.size(); ++i) {
+      const c10::AliasInfo* alias = args[i].alias_info();
+      if (alias != nullptr && alias->isWrite() && args[i].name() != "grads") written.push_back(in[i]);
+    }
+  }
+  op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  const auto bump = [](const at::Tensor& t) {
+    if (t.defined() && !t.is_inference()) torch::autograd::impl::bump_version(t);
+  };
+  for (const c10::IValue& v : written) {
+    if (v.isTensor()) {
+      bump(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const c10::IValue& t : v.toListRef()) bump(t.toTensor());
+    }
+  }
 }
 
 }  // namespace
@@ -150,6 +189,13 @@ TORCH_LIBRARY_IMPL(mixprec, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(mixprec, Meta, m) {
   for (const char* name : {MIXPREC_OPTIM_FAMILIES(MIXPREC_OPTIM_OP_NAMES)})
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&optim_meta>());
+}
+
+#define MIXPREC_OPTIM_STEP_NAME(op, Struct, MACRO) #op "_",
+
+TORCH_LIBRARY_IMPL(mixprec, ADInplaceOrView, m) {
+  for (const char* name : {MIXPREC_OPTIM_FAMILIES(MIXPREC_OPTIM_STEP_NAME)})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&optim_bump_versions>());
 }
 
 }  // namespace mixprec::detail

@@ -102,6 +102,48 @@ void check_no_overlap(const char* op, const std::vector<NamedList>& lists) {
   }
 }
 
+void check_scalars_apart(const char* op, const std::vector<NamedScalar>& scalars, const std::vector<NamedList>& lists) {
+  const auto extent = [](const at::Tensor& t) {
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(begin, begin + t.nbytes());
+  };
+  const auto overlap = [](std::pair<uintptr_t, uintptr_t> a, std::pair<uintptr_t, uintptr_t> b) {
+    return a.first < b.second && b.first < a.second;
+  };
+  for (size_t s = 0; s < scalars.size(); ++s) {
+    const NamedScalar& a = scalars[s];
+    if (a.tensor == nullptr || !a.tensor->defined() || a.tensor->numel() == 0) continue;
+    const auto ea = extent(*a.tensor);
+    for (size_t r = s + 1; r < scalars.size(); ++r) {
+      const NamedScalar& b = scalars[r];
+      if (b.tensor == nullptr || !b.tensor->defined() || b.tensor->numel() == 0 || !(a.written || b.written)) continue;
+      MIXPREC_CHECK_VALUE(!overlap(ea, extent(*b.tensor)), arg_name(op, a.written ? a.name : b.name),
+                          " shares memory with ", std::string(a.written ? b.name : a.name),
+                          "; each device scalar the op writes needs memory of its own");
+    }
+    // One pointer comparison per tensor: cheap beside the lists' own checks.
+    for (const NamedList& l : lists) {
+      if (!(a.written || l.written)) continue;
+      for (size_t i = 0; i < l.tensors.size(); ++i) {
+        const at::Tensor& t = l.tensors[i];
+        if (!t.defined() || t.numel() == 0) continue;
+        MIXPREC_CHECK_VALUE(!overlap(ea, extent(t)), arg_name(op, a.name), " shares memory with ", std::string(l.name),
+                            "[", num(i), "]",
+                            "; a device scalar needs memory apart from the tensors the op reads and writes");
+      }
+    }
+  }
+}
+
+void check_on_meta(const char* op, const char* arg, const at::Tensor& t, int64_t index) {
+  MIXPREC_CHECK(!t.defined() || t.device().is_meta(), arg_name(op, arg, index), " is on ", t.device().str(),
+                " but other tensors of the call are on the meta device; expected every tensor on one device");
+}
+
+void check_on_meta(const char* op, const char* arg, at::TensorList tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) check_on_meta(op, arg, tensors[i], static_cast<int64_t>(i));
+}
+
 namespace {
 
 // What pack_lists' checks and packing read of its arguments: every check is a function of each

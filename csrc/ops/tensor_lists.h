@@ -70,6 +70,24 @@ PackedLists pack_lists(const char* op, const std::vector<NamedList>& lists, cons
 // itself (a stand-in for an absent list, never touched) takes no part. O(n log n).
 void check_no_overlap(const char* op, const std::vector<NamedList>& lists);
 
+// One-element device tensors of an op (found_inf, a scale, a counter) and whether the op writes
+// them. check_scalars_apart refuses one that shares memory with another scalar or with a tensor of
+// `lists` where either is written (a found_inf flag that is an element of a gradient): the op
+// would write one through the other. Dense list tensors are assumed (pack_lists checks them).
+struct NamedScalar {
+  const char* name;
+  const at::Tensor* tensor;  // nullptr or undefined: absent
+  bool written;
+};
+void check_scalars_apart(const char* op, const std::vector<NamedScalar>& scalars,
+                         const std::vector<NamedList>& lists = {});
+
+// A Meta kernel runs when any tensor of a call is on the meta device, and writes nothing: a call
+// that mixes meta with real tensors (a meta grad beside CPU params) would be a step silently not
+// taken. Refuses such a tensor, naming it.
+void check_on_meta(const char* op, const char* arg, const at::Tensor& t, int64_t index = -1);
+void check_on_meta(const char* op, const char* arg, at::TensorList tensors);
+
 // The device an op runs on: that of `anchor` if defined, else of the first tensor of `list`.
 at::Device op_device(const char* op, const NamedList& list, const c10::optional<at::Tensor>& anchor);
 

@@ -309,8 +309,18 @@ def promote_function(fn: Callable) -> Callable:
 
 
 def _register(module: Any, name: str, kind: str) -> None:
+    call = f"amp.register_{kind}_function"
+    # Checked before anything is patched: a module given by name ("torch") read as "no function
+    # there", and a non-callable attribute (torch.float16) would be replaced by a wrapper.
+    if isinstance(module, str):
+        raise TypeError(f"{call}: module must be the module or class object (e.g. torch), got the string {module!r}")
+    if not isinstance(name, str):
+        raise TypeError(f"{call}: function_name must be a string, got {type(name).__name__}")
     if not hasattr(module, name):
-        raise ValueError(f"No function named {name} in module {module}.")
+        raise ValueError(f"No function named {name} in module {module}. ({call})")
+    if not callable(getattr(module, name)):
+        raise TypeError(f"{call}: {module.__name__ if hasattr(module, '__name__') else module}.{name} is a "
+                        f"{type(getattr(module, name)).__name__}, not a function; expected a callable to wrap")
     _registry.append((module, name, kind))
     apply_registry()
 

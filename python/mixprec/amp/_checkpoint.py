@@ -5,6 +5,7 @@ their fp32 master weights, which Apex lost) and scalers together, validated befo
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ def state_dict(destination=None) -> dict:
     _require_initialized()
     if destination is None:
         destination = {}
+    elif not isinstance(destination, MutableMapping):  # checked before anything is written into it
+        raise TypeError(f"amp.state_dict: destination must be a dict (or None), got {type(destination).__name__}")
     for idx, scaler in enumerate(_amp_state.loss_scalers):
         entry = {"loss_scale": scaler.state.get_scale(), "unskipped": scaler.state.get_growth_tracker()}
         entry.update(scaler.state.extra_state())
@@ -44,8 +47,10 @@ def _validated_scalers(state: Any, where: str) -> list[tuple[int, dict, dict]]:
     state = {k: v for k, v in state.items() if k != _fp8.KEY}
     unexpected = [k for k in state if not (isinstance(k, str) and k.startswith("loss_scaler"))]
     if unexpected:
+        # Apex's words (code may match them), then the call and what is expected.
         raise RuntimeError("Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
-                           + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+                           + ", ".join(f'"{k}"' for k in unexpected) + f". ({where}: expected only 'loss_scaler<i>' "
+                           f"keys and '{_fp8.KEY}')")
     if len(state) != len(_amp_state.loss_scalers):
         raise ValueError(f"{where}: it holds {len(state)} loss scalers but amp was initialized with num_losses="
                          f"{len(_amp_state.loss_scalers)}")

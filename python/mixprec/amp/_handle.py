@@ -15,7 +15,7 @@ from ._optimizer import OPTIMIZER_TYPES
 from ._scaler import LossScaler, _amp_state
 
 
-def _scaler(loss_id: int) -> LossScaler:
+def _scaler(loss_id: int, call: str) -> LossScaler:
     scalers = _amp_state.loss_scalers
     if type(loss_id) is int and 0 <= loss_id < len(scalers):  # the common case first: one check per step
         return scalers[loss_id]
@@ -26,7 +26,7 @@ def _scaler(loss_id: int) -> LossScaler:
                            "loss scale, scale history or skipped-step count to read")
     # Integral: a numpy int from np.arange indexes Apex's list of scalers too.
     if isinstance(loss_id, bool) or not isinstance(loss_id, numbers.Integral) or not 0 <= loss_id < len(scalers):
-        raise ValueError(f"loss_id must be an int in [0, num_losses={len(scalers)}), got {loss_id!r}")
+        raise ValueError(f"{call}: loss_id must be an int in [0, num_losses={len(scalers)}), got {loss_id!r}")
     return scalers[int(loss_id)]
 
 
@@ -102,8 +102,14 @@ class _ScaleLoss:
                                    "amp.initialize; pass every optimizer through amp.initialize first")
             if stash.poisoned:
                 raise RuntimeError(stash.poisoned_message("amp.scale_loss"))
+            if stash.unfinished is not None and stash.unfinished.active:
+                # Its exit would take the inner block's gradients, already unscaled, for its own.
+                raise RuntimeError(f"amp.scale_loss: optimizers[{i}] ({type(opt).__name__}) is in an open `with "
+                                   "amp.scale_loss` block already: nested blocks over one optimizer would unscale the "
+                                   "inner block's gradients twice. End one block before opening the next (nothing "
+                                   "was changed)")
             stashes.append(stash)
-        scaler = _scaler(self.loss_id)
+        scaler = _scaler(self.loss_id, "amp.scale_loss")
         unit = not scaler.dynamic and scaler.state.init_scale == 1.0
         if not options["master_weights"] and unit:
             return loss.float()  # nothing to scale, check or copy (fp32, or bf16 without scaling)
@@ -210,16 +216,16 @@ def skipped_steps(loss_id: Optional[int] = None) -> int:
         if not _amp_state.initialized:
             raise RuntimeError("mixprec.amp is not initialized: call amp.initialize(...) first")
         return sum(s.state.get_skipped() for s in _amp_state.loss_scalers)
-    return _scaler(loss_id).state.get_skipped()
+    return _scaler(loss_id, "amp.skipped_steps").state.get_skipped()
 
 
 def loss_scale(loss_id: int = 0) -> float:
     """The current scale of loss ``loss_id`` (syncs)."""
-    return _scaler(loss_id).state.get_scale()
+    return _scaler(loss_id, "amp.loss_scale").state.get_scale()
 
 
 def scale_history(loss_id: int = 0, with_overflow: bool = False) -> list:
     """The scale each of the last ``scale_history`` (an initialize keyword) updates of loss
     ``loss_id`` used, oldest first; with ``with_overflow`` as (scale, overflowed) pairs. Kept on
     the device, materialized here (one sync)."""
-    return _scaler(loss_id).state.scale_history(with_overflow)
+    return _scaler(loss_id, "amp.scale_history").state.scale_history(with_overflow)

@@ -10,6 +10,7 @@ and which values it checks, follows Apex's kernels op by op (see each docstring)
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -236,6 +237,15 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
                   step=1 if first_run else 2, grad_scale=grad_scale, found_inf=_found_inf(noop_flag))
 
 
+def _step(call: str, step) -> int:
+    """The step count, which bias corrections raise betas to: Apex's binding takes an int only;
+    a fractional one (a float counter) would be truncated here into another step's correction."""
+    value = step.item() if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value != int(value):
+        raise TypeError(f"{call}: invalid step {step!r}; expected an int (the count including this step)")
+    return int(value)
+
+
 def _mode(call: str, name: str, value) -> bool:
     if value not in (0, 1):
         raise ValueError(f"{call}: invalid {name} {value!r}; expected 0 (L2 regularization) or 1 "
@@ -258,7 +268,7 @@ def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     with _named(call):
         _ops.adam_(p, g, m, v, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
                    weight_decay=float(weight_decay), adam_w_mode=adam_w, bias_correction=bool(bias_correction),
-                   step=int(step))
+                   step=_step(call, step))
 
 
 def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay) -> None:
@@ -298,7 +308,7 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
         _ops.lamb_(p, g, m, v, lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(epsilon),
                    weight_decay=float(weight_decay), bias_correction=bool(bias_correction),
                    grad_averaging=bool(grad_averaging), adam_w_mode=adam_w, max_grad_norm=float(max_grad_norm),
-                   use_nvlamb=bool(use_nvlamb), step=int(step), global_grad_norm=global_grad_norm)
+                   use_nvlamb=bool(use_nvlamb), step=_step(call, step), global_grad_norm=global_grad_norm)
         total, _ = _ops.multi_tensor_norm(p, 2.0, False)
     _set_noop(noop_flag, _not_finite(total))
 
@@ -327,7 +337,7 @@ def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, b
             p, g, m, grad_norms, [], None, lr=float(lr), beta1=float(beta1), beta2=float(beta2),
             eps=float(epsilon), weight_decay=float(weight_decay), bias_correction=bool(bias_correction),
             grad_averaging=bool(grad_averaging), reg_inside_moment=reg_inside_moment, norm_type=ord,
-            init_zero=True, step=int(step), grad_norms=norms)
+            init_zero=True, step=_step(call, step), grad_norms=norms)
     _set_noop(noop_flag, _not_finite(total))
 
 

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .._dtensor import dtensor_type
-from . import _held, _lean
+from . import _held, _lean, _master_sync
 from ._rules import LR, MOMENT, check_group, check_state_values, step_count
 from ._step_cache import HyperCache, StepLists, checked_params, gather, regular_params, step_scalars
 from ._step_cache import device_scalar as _device_scalar  # noqa: F401  (FusedLAMB imports it from here)
@@ -53,7 +53,9 @@ class FusedOptimizer(torch.optim.Optimizer):
       name its own, as the C++ front's options do): in a group with ``master_weights=True`` every
       fp16/bf16 parameter has an fp32 master in ``state[p]["master_param"]``; the op updates it
       and writes the rounded copy to the model. ``optimizer.master_weights`` reads and sets it
-      for all groups (see GroupOption);
+      for all groups (see GroupOption). Switched off, a group's masters are dropped at its next
+      step (the params alone are updated, so the masters go stale); switched on, or for a param
+      cast to fp16/bf16 after its state was made, masters are made from the params (_master_sync);
     - ``_step_supports_amp_scaling``: torch.amp.GradScaler and mixprec.GradScaler hand the loss
       scale and found_inf to ``step()`` (as ``self.grad_scale``/``self.found_inf``); the kernel
       unscales and skips on the device, and leaves each ``p.grad`` unscaled (untouched by a
@@ -217,8 +219,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         # groups the later ones are validated first (the ops' check twins write nothing). A refusal
         # also takes back the state this step created, so a refused step changes nothing.
         fresh: list[torch.Tensor] = []
+        made: list[dict] = []  # masters made for params that had state but none (see _master_sync)
         groups_before = [dict(group) for group, _, _ in plan]
-        calls = []
+        calls, stepped = [], []
         recorder = _held.Recorder()
         try:
             for group, params, device in plan:
@@ -230,7 +233,10 @@ class FusedOptimizer(torch.optim.Optimizer):
                         if not state:
                             fresh.append(p)
                             self._init_param_state(p, group)
+                if group["master_weights"]:
+                    made += _master_sync.make_missing(group, params, state_dicts)
                 lists.add(params, state_dicts)
+                stepped.append((group, params, state_dicts))
                 calls.append((group, params, step_scalars(self, group, device, grad_scale, found_inf)))
             for group, params, scalars in calls[1:]:
                 self._step_group(group, params, validate_only=True, **scalars)
@@ -240,6 +246,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     recorder.start_group()
                     self._step_group(group, params, **scalars)  # its op checks before it writes
         except BaseException:
+            _master_sync.undo_made(made)
             for p in fresh:
                 self.state.pop(p, None)
             for group, saved in zip((g for g, _, _ in plan), groups_before):
@@ -250,6 +257,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for group, params, scalars in calls[1:]:
                 recorder.start_group()
                 self._step_group(group, params, **scalars)
+        _master_sync.drop_stale(stepped)
         _lean.settle(self, [(group, params) for group, params, _ in calls])
         held = _held.build(self, calls, recorder)
         if held is not None:
@@ -259,10 +267,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     # -- helpers for subclasses --------------------------------------------------------------
     def _init_param_state(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
-        if not _lean.init_master(state, p, group) and group["master_weights"] and p.dtype != torch.float32:
-            # In the parameter's layout (channels_last stays channels_last): the op walks an
-            # entry's tensors in one storage order.
-            state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
+        _master_sync.make_master(state, p, group)
         self._init_state(p, group, state)
 
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
@@ -358,7 +363,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                 device = group["params"][0].device if group["params"] else torch.device("cpu")
                 new_group["step"] = step.to(device, copy=True)  # never shared with the source
             new_groups.append(new_group)
+            before = len(id_to_param)
             id_to_param.update((pid, (p, new_group)) for pid, p in zip(saved["params"], group["params"]))
+            if len(id_to_param) != before + len(saved["params"]):
+                # A corrupt id list would hand one param's state to another, as torch's loader does.
+                pid = next(pid for i, pid in enumerate(saved["params"])
+                           if pid in saved["params"][:i] or any(pid in g["params"] for g in saved_groups[:gi]))
+                raise ValueError(f"{name}.load_state_dict: param group {gi} lists parameter id {pid!r}, which the "
+                                 "checkpoint gives to another parameter too; expected each id once")
 
         new_state: dict[torch.Tensor, dict] = defaultdict(dict)
         for pid, saved_state in state_dict["state"].items():
