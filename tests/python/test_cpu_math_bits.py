@@ -25,17 +25,18 @@ GRAD_SCALE = 3.0 * 2**10  # not a power of two: the unscale rounds
 f32 = np.float32
 
 
-def _libm_expm1f():
-    # adam_coefficients calls the C library's expm1f on the CPU: the same function, for the same bits.
-    name = ctypes.util.find_library("m")
-    if name is None:
+def _libm(name: str):
+    # The bias corrections call the C library's expm1f and log1pf on the CPU: the same functions,
+    # for the same bits.
+    lib = ctypes.util.find_library("m")
+    if lib is None:
         return None
-    fn = ctypes.CDLL(name).expm1f
+    fn = getattr(ctypes.CDLL(lib), name)
     fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float]
-    return fn
+    return lambda x: f32(fn(float(x)))
 
 
-EXPM1F = _libm_expm1f()
+EXPM1F, LOG1PF = _libm("expm1f"), _libm("log1pf")
 
 
 def cat(ts) -> np.ndarray:
@@ -76,8 +77,8 @@ def adam_math(x, *, step, grad_scale, lr, beta1, beta2, eps, weight_decay, adam_
     x = dict(x)
     bc1 = bc2 = f32(1.0)
     if bias_correction:
-        bc1 = f32(-EXPM1F(float(f32(step) * f32(math.log(beta1)))))
-        bc2 = f32(-EXPM1F(float(f32(step) * f32(math.log(beta2)))))
+        bc1 = -EXPM1F(f32(step) * f32(math.log(beta1)))
+        bc2 = -EXPM1F(f32(step) * f32(math.log(beta2)))
     step_size, inv_bc2_sqrt = f32(lr) / bc1, f32(1.0) / np.sqrt(bc2)
     w, m, v = x["params"], x["exp_avgs"], x["exp_avg_sqs"]
     g = grad_in(x, grad_scale, maximize)
@@ -190,4 +191,120 @@ def test_adagrad_is_the_shared_math(config, gen):
                          grad_scale=scalar(grad_scale, "cpu") if grad_scale else None, **cfg)
 
     steps_agree(lists, op_step, lambda x, **kw: adagrad_math(x, **kw, **cfg),
+                [dict(step=2, grad_scale=GRAD_SCALE), dict(step=3, grad_scale=None)], config, gen)
+
+
+# ---- NovoGrad with given gradient norms (kernels/novograd.h) -----------------------------------
+
+NOVOGRAD_CONFIGS = {
+    "apex": dict(bias_correction=True),
+    "reg_inside_no_averaging": dict(reg_inside_moment=True, grad_averaging=False, bias_correction=False),
+}
+
+
+def per_element(values, sizes) -> np.ndarray:
+    """One float32 value per tensor, repeated over its elements (the flat math's view of it)."""
+    return np.repeat(np.asarray(values, dtype=np.float32), sizes)
+
+
+def novograd_math(x, *, step, grad_scale, norms, lr, beta1, beta2, eps, weight_decay, bias_correction,
+                  reg_inside_moment=False, grad_averaging=True):
+    x = dict(x)
+    b1, b2 = f32(beta1), f32(beta2)
+    one_minus_pow = lambda b: -EXPM1F(f32(step) * LOG1PF(b - f32(1.0)))
+    bc1 = one_minus_pow(b1) if bias_correction else f32(1.0)
+    bc2 = np.sqrt(one_minus_pow(b2)) if bias_correction else f32(1.0)
+    inv_scale = f32(1.0) / f32(grad_scale) if grad_scale else f32(1.0)
+    n = norms.numpy() * inv_scale
+    v = x["exp_avg_sq_norms"]  # L2: v = sqrt(beta2 v^2 + (1 - beta2) n^2); step 1 seeds it with n
+    v = n if step == 1 else np.sqrt((b2 * v) * v + ((f32(1.0) - b2) * n) * n)
+    denom = per_element(v / bc2 + f32(eps), SIZES)
+    beta3 = f32(1.0) - b1 if grad_averaging else f32(1.0)
+    w, m, g = x["params"], x["exp_avgs"], grad_in(x, grad_scale, False)
+    if reg_inside_moment:
+        m = b1 * m + beta3 * (g / denom + f32(weight_decay) * w)
+        w = w - f32(lr) * (m / bc1)
+    else:
+        m = b1 * m + beta3 * g
+        w = w - f32(lr) * ((m / bc1) / denom + f32(weight_decay) * w)
+    x.update(params=w, exp_avgs=m, exp_avg_sq_norms=v)
+    return x
+
+
+@pytest.mark.skipif(EXPM1F is None or LOG1PF is None, reason="no C math library to call expm1f/log1pf from")
+@pytest.mark.parametrize("config", list(NOVOGRAD_CONFIGS))
+def test_novograd_is_the_shared_math(config, gen):
+    cfg = dict(lr=0.05, beta1=0.9, beta2=0.98, eps=1e-8, weight_decay=0.01, **NOVOGRAD_CONFIGS[config])
+    lists = dict(params=[random_tensor(n, torch.float32, "cpu", gen) for n in SIZES], grads=[torch.empty(n) for n in SIZES],
+                 exp_avgs=[random_tensor(n, torch.float32, "cpu", gen, 0.1) for n in SIZES],
+                 exp_avg_sq_norms=[random_tensor(len(SIZES), torch.float32, "cpu", gen).abs()])
+    norms = {}  # the gradients' norms as given to the op: any values do, the same to both
+
+    def op_step(t, step, grad_scale):
+        norms[step] = torch.stack([g.double().norm() for g in t["grads"]]).float()
+        torch.ops.mixprec.novograd_(t["params"], t["grads"], t["exp_avgs"], t["exp_avg_sq_norms"][0], [], None, step=step,
+                                    grad_scale=scalar(grad_scale, "cpu") if grad_scale else None, grad_norms=norms[step],
+                                    **cfg)
+
+    steps_agree(lists, op_step, lambda x, step, **kw: novograd_math(x, step=step, norms=norms[step], **kw, **cfg),
+                [dict(step=1, grad_scale=None), dict(step=2, grad_scale=GRAD_SCALE), dict(step=3, grad_scale=None)],
+                config, gen)
+
+
+# ---- LAMB, its two halves (kernels/lamb.h): moments and u, then the update with given norms ------
+
+LAMB_CONFIGS = {
+    "adamw_clipped": dict(adam_w_mode=True, max_grad_norm=1.0),
+    "l2_unclipped_no_averaging": dict(adam_w_mode=False, max_grad_norm=4.0, grad_averaging=False),
+}
+GLOBAL_GRAD_NORM = 2.0  # given (unscaled): clips by 2 under max_grad_norm 1
+
+
+def lamb_direction(m, v, w, *, inv_bc1, inv_bc2, eps, weight_decay, adam_w_mode):
+    u = (m * inv_bc1) / (np.sqrt(v * inv_bc2) + f32(eps))
+    return u + f32(weight_decay) * w if adam_w_mode else u
+
+
+def lamb_math(x, *, step, grad_scale, trust, lr, beta1, beta2, eps, weight_decay, adam_w_mode, max_grad_norm,
+              grad_averaging=True):
+    x = dict(x)
+    # The corrections in double, rounded once (lamb_coefficients); the clip in float32.
+    inv_bc1, inv_bc2 = f32(1.0 / (1.0 - beta1**step)), f32(1.0 / (1.0 - beta2**step))
+    inv_scale = f32(1.0) / f32(grad_scale) if grad_scale else f32(1.0)
+    norm, max_norm = f32(GLOBAL_GRAD_NORM), f32(max_grad_norm)
+    grad_factor = inv_scale / (norm / max_norm if norm > max_norm else f32(1.0))
+    w, m, v = x["params"], x["exp_avgs"], x["exp_avg_sqs"]
+    g = x["grads"] * grad_factor
+    x["grads"] = x["grads"] * inv_scale if grad_scale else x["grads"]
+    if not adam_w_mode:
+        g = g + f32(weight_decay) * w
+    beta3 = f32(1.0 - beta1) if grad_averaging else f32(1.0)
+    m = f32(beta1) * m + beta3 * g
+    v = f32(beta2) * v + (f32(1.0 - beta2) * g) * g
+    # The second half: lr times each tensor's trust ratio, on the direction from the new moments.
+    pn, un = trust.numpy()
+    step_size = per_element(np.where((pn != 0) & (un != 0), f32(lr) * (pn / un), f32(lr)), SIZES)
+    u = lamb_direction(m, v, w, inv_bc1=inv_bc1, inv_bc2=inv_bc2, eps=eps, weight_decay=weight_decay,
+                       adam_w_mode=adam_w_mode)
+    x.update(params=w - step_size * u, exp_avgs=m, exp_avg_sqs=v)
+    return x
+
+
+@pytest.mark.parametrize("config", list(LAMB_CONFIGS))
+def test_lamb_is_the_shared_math(config, gen):
+    cfg = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, **LAMB_CONFIGS[config])
+    lists = dict(params=[random_tensor(n, torch.float32, "cpu", gen) for n in SIZES], grads=[torch.empty(n) for n in SIZES],
+                 exp_avgs=[random_tensor(n, torch.float32, "cpu", gen, 0.1) for n in SIZES],
+                 exp_avg_sqs=[random_tensor(n, torch.float32, "cpu", gen, 0.01).abs() for n in SIZES])
+    trust = {}  # ||w|| and ||u|| per tensor from the first half (a sum in the CPU's order), given to the second
+
+    def op_step(t, step, grad_scale):
+        args = (t["params"], t["grads"], t["exp_avgs"], t["exp_avg_sqs"], [], None)
+        kw = dict(step=step, grad_scale=scalar(grad_scale, "cpu") if grad_scale else None,
+                  global_grad_norm=scalar(GLOBAL_GRAD_NORM, "cpu"), **cfg)
+        trust[step] = torch.zeros(2, len(SIZES))
+        torch.ops.mixprec.lamb_(*args, local_norms=trust[step], **kw)
+        torch.ops.mixprec.lamb_(*args, trust_norms=trust[step], **kw)
+
+    steps_agree(lists, op_step, lambda x, step, **kw: lamb_math(x, step=step, trust=trust[step], **kw, **cfg),
                 [dict(step=2, grad_scale=GRAD_SCALE), dict(step=3, grad_scale=None)], config, gen)
