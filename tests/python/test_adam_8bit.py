@@ -279,9 +279,8 @@ def test_a_nan_moment_makes_its_block_scale_nan_never_a_finite_one(where, device
 @pytest.mark.parametrize("kind", ["wide", "subnormal", "huge", "equal"])
 def test_cpu_and_cuda_quantize_to_the_same_bits(kind, gen):
     # The code map is the same integer and IEEE float32 operations on both (kernels/quant8.h; nvcc
-    # builds without fast-math). A whole step's Adam update is not compared across devices: the CPU
-    # build contracts it into FMAs and nvcc does not (-fmad=false), so each device's step is checked
-    # against its own fp32 step instead (test_step_is_dequantize_then_the_fp32_step_then_requantize).
+    # builds without fast-math). Whole 8-bit steps are compared across devices in
+    # test_cpu_cuda_bits.py, now that neither backend contracts into FMAs.
     n = 65536 + 3 * BLOCK + 7
     g = values_of(kind, n, gen)
     runs = {}

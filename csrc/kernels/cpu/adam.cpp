@@ -1,5 +1,7 @@
 // CPU kernel of the fused Adam/AdamW step: each chunk streams through L1-sized fp32 tiles, and
 // the update loop over a tile is plain arithmetic the compiler vectorizes (AVX2 clone on x86-64).
+// fp32/bf16 moments run on the streaming skeleton (cpu::stream_tiles); 8-bit moments keep a loop
+// of their own (adam_chunk_q8 says why).
 #include "kernels/adam.h"
 
 #include <cmath>
@@ -11,39 +13,42 @@
 namespace mixprec::kernels {
 namespace {
 
-MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& coefficients, int64_t t, int64_t begin,
-                                   int64_t n) {
-  // A local copy: through the reference every store into the tiles might change a coefficient,
-  // and the compiler would keep the update loop scalar.
-  const AdamCoefficients c = coefficients;
-  const TensorGroup& g = *p.group;
-  alignas(64) float grad[cpu::kTile], w[cpu::kTile], m[cpu::kTile], v[cpu::kTile], vm[cpu::kTile];
-  for (int64_t at = begin; at < begin + n; at += cpu::kTile) {
-    const int64_t len = std::min(cpu::kTile, begin + n - at);
-    cpu::load_tile(g.dtypes[kAdamGrad], g.ptrs[kAdamGrad][t], at, len, grad);
-    cpu::load_weights(p.weights, g, t, at, len, w);
-    cpu::load_tile(g.dtypes[kAdamExpAvg], g.ptrs[kAdamExpAvg][t], at, len, m);
-    cpu::load_tile(g.dtypes[kAdamExpAvgSq], g.ptrs[kAdamExpAvgSq][t], at, len, v);
-    if (c.amsgrad) {
-      cpu::load_tile(g.dtypes[kAdamMaxExpAvgSq], g.ptrs[kAdamMaxExpAvgSq][t], at, len, vm);
-      for (int64_t i = 0; i < len; ++i) adam_update(c, grad[i], w[i], m[i], v[i], vm[i]);
-      cpu::store_tile(g.dtypes[kAdamMaxExpAvgSq], vm, g.ptrs[kAdamMaxExpAvgSq][t], at, len);
-    } else {
-      for (int64_t i = 0; i < len; ++i) {
-        float unused_max;  // a per-iteration dummy: a shared one would be a loop-carried store
-        adam_update(c, grad[i], w[i], m[i], v[i], unused_max);
-      }
-    }
-    if (stores_unscaled_grads(p.scalars)) cpu::store_tile(g.dtypes[kAdamGrad], grad, g.ptrs[kAdamGrad][t], at, len);
-    cpu::store_weights(p.weights, p.scalars, g, t, at, len, w);
-    cpu::store_tile(g.dtypes[kAdamExpAvg], m, g.ptrs[kAdamExpAvg][t], at, len);
-    cpu::store_tile(g.dtypes[kAdamExpAvgSq], v, g.ptrs[kAdamExpAvgSq][t], at, len);
+// One tile loop per amsgrad mode, on the streaming skeleton (cpu::stream_tiles): with amsgrad
+// max_exp_avg_sq is a third state list; without it the list is none of the step's (the update
+// writes a per-element dummy the compiler drops), so the loop streams two. The flag is fixed in
+// the local copy, so that the update loop has no branch and vectorizes.
+template <bool kAmsgrad>
+MIXPREC_INLINE void adam_tiles(const AdamParams& p, const AdamCoefficients& coefficients, int64_t t, int64_t begin,
+                               int64_t n) {
+  AdamCoefficients c = coefficients;  // a local copy: see cpu::stream_tiles
+  c.amsgrad = kAmsgrad;
+  if constexpr (kAmsgrad) {
+    const cpu::TileState moments[] = {{kAdamExpAvg}, {kAdamExpAvgSq}, {kAdamMaxExpAvgSq}};
+    cpu::stream_tiles(p.weights, p.scalars, *p.group, kAdamGrad, moments, t, begin, n,
+                      [&](float& g, float& w, float& m, float& v, float& v_max) { adam_update(c, g, w, m, v, v_max); });
+  } else {
+    const cpu::TileState moments[] = {{kAdamExpAvg}, {kAdamExpAvgSq}};
+    cpu::stream_tiles(p.weights, p.scalars, *p.group, kAdamGrad, moments, t, begin, n,
+                      [&](float& g, float& w, float& m, float& v) {
+                        float unused_max;  // a per-element dummy: a shared one would be a loop-carried store
+                        adam_update(c, g, w, m, v, unused_max);
+                      });
   }
+}
+
+MIXPREC_CPU_CLONES void adam_chunk(const AdamParams& p, const AdamCoefficients& c, int64_t t, int64_t begin,
+                                   int64_t n) {
+  if (c.amsgrad) adam_tiles<true>(p, c, t, begin, n);
+  else adam_tiles<false>(p, c, t, begin, n);
 }
 
 // 8-bit moments (kernels/quant8.h): each tile (whole quantization blocks, as chunks and tiles
 // start at multiples of kQuantBlock) is dequantized, updated and requantized with the new absmax of
-// each block, so the pass still reads and writes every operand once.
+// each block, so the pass still reads and writes every operand once. Not on the streaming skeleton:
+// its states are element tiles of a float dtype, loaded and stored one list at a time, while a
+// code decodes only with its block's scale and is encoded only after a reduction over its whole
+// updated block (the new absmax), a step between the update and the stores the skeleton does
+// not have (CUDA's AdamQ8Op stays off OptimStream for the same reason).
 MIXPREC_CPU_CLONES void adam_chunk_q8(const AdamParams& p, const AdamCoefficients& coefficients, int64_t t,
                                       int64_t begin, int64_t n) {
   static_assert(cpu::kTile % kQuantBlock == 0, "a tile holds whole quantization blocks");
