@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "api/fused_options_impl.h"
+#include "ops/device_copy.h"
 
 namespace mixprec::optim {
 
@@ -64,7 +65,7 @@ void FusedLAMB::begin_step() {
   } else {  // several devices: combine the squares on the first one
     std::vector<at::Tensor> norms;
     for (const auto& e : by_device)
-      norms.push_back(std::get<0>(mixprec::multi_tensor_norm(e.second)).to(first, /*non_blocking=*/!first.is_cpu()));
+      norms.push_back(detail::to_device(std::get<0>(mixprec::multi_tensor_norm(e.second)), first));
     total = at::stack(norms).square().sum().sqrt().reshape({1});
   }
   const GradScaling s = scaling_on(first);
@@ -72,7 +73,7 @@ void FusedLAMB::begin_step() {
   // Blocking into the CPU: its kernels read the norm at once, and torch's non-blocking copy from a
   // GPU to the CPU goes into pinned memory still in flight.
   for (const auto& e : by_device)
-    grad_norms_.emplace_back(e.first, e.first == first ? total : total.to(e.first, /*non_blocking=*/!e.first.is_cpu()));
+    grad_norms_.emplace_back(e.first, e.first == first ? total : detail::to_device(total, e.first));
 }
 
 void FusedLAMB::end_step() noexcept { grad_norms_.clear(); }

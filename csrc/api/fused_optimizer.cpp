@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "api/api_util.h"
+#include "ops/device_copy.h"
 
 namespace mixprec::optim {
 
@@ -132,7 +133,7 @@ at::Tensor& FusedOptimizer::step_tensor_for(size_t group, const at::Device& devi
 GradScaling FusedOptimizer::scaling_on(const at::Device& device) const {
   const auto on_device = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
     if (!t || !t->defined()) return std::nullopt;
-    at::Tensor v = t->to(device, at::kFloat, /*non_blocking=*/true);
+    at::Tensor v = detail::to_device(*t, device, at::kFloat);
     return v.dim() == 1 ? v : v.reshape({1});
   };
   return {on_device(scaling_.grad_scale), on_device(scaling_.found_inf)};

@@ -14,6 +14,7 @@
 
 #include "api/api_util.h"
 #include "kernels/loss_scale.h"  // kScaleFloor
+#include "ops/device_copy.h"
 
 namespace mixprec::amp {
 
@@ -101,7 +102,7 @@ void GradScaler::check_initialized(const char* what) const {
 at::Tensor GradScaler::scale(const at::Tensor& outputs) {
   if (!options_.enabled()) return outputs;
   lazy_init(outputs.device());
-  return outputs * scale_.to(outputs.device(), /*non_blocking=*/true);
+  return outputs * detail::to_device(scale_, outputs.device());
 }
 
 std::vector<at::Tensor> GradScaler::scale(const std::vector<at::Tensor>& outputs) {
@@ -152,7 +153,7 @@ std::vector<at::Tensor> GradScaler::check_grads(torch::optim::Optimizer& optimiz
   for (auto& d : devices) {
     at::Tensor f = at::scalar_tensor(0.0, at::TensorOptions().dtype(at::kFloat).device(d.device));
     std::optional<at::Tensor> inv;
-    if (inv_scale) inv = inv_scale->to(d.device, /*non_blocking=*/true);
+    if (inv_scale) inv = detail::to_device(*inv_scale, d.device);
     if (!d.ours.empty()) mixprec::non_finite_check_and_unscale_(d.ours, f, inv);
     if (!d.others.empty()) {
       const at::Tensor one =
@@ -166,9 +167,9 @@ std::vector<at::Tensor> GradScaler::check_grads(torch::optim::Optimizer& optimiz
 
 at::Tensor GradScaler::combined_found(const std::vector<at::Tensor>& found) const {
   MIXPREC_CHECK(!found.empty(), kName, ": no inf checks were recorded (no parameter of the optimizer has a gradient)");
-  if (found.size() == 1) return found[0].to(scale_.device(), /*non_blocking=*/true);
+  if (found.size() == 1) return detail::to_device(found[0], scale_.device());
   std::vector<at::Tensor> on;
-  for (const auto& f : found) on.push_back(f.to(scale_.device(), /*non_blocking=*/true).reshape({}));
+  for (const auto& f : found) on.push_back(detail::to_device(f, scale_.device()).reshape({}));
   return at::stack(on).sum();
 }
 

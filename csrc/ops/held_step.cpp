@@ -6,6 +6,7 @@
 
 #include <torch/library.h>
 
+#include "ops/device_copy.h"
 #include "ops/tensor_lists.h"
 
 namespace mixprec::detail {
@@ -178,19 +179,17 @@ std::vector<at::Tensor> HeldNorm::norms(std::optional<at::Tensor> grad_scale) co
     total = std::get<0>(mixprec::multi_tensor_norm(grads[0])).reshape({1});
   } else {  // several devices: the squares combined on the first, as the checked path does
     std::vector<at::Tensor> partial;
-    for (const auto& list : grads)
-      partial.push_back(std::get<0>(mixprec::multi_tensor_norm(list)).to(first, !first.is_cpu()));
+    for (const auto& list : grads) partial.push_back(to_device(std::get<0>(mixprec::multi_tensor_norm(list)), first));
     total = at::stack(partial).square().sum().sqrt().reshape({1});
   }
   if (grad_scale) {
     // In place on the norm just made: the kernel of the checked path's `total / scale` (the same
     // bits), without a new tensor (and, on the meta device, without torch's Python meta function).
-    const at::Tensor scale = grad_scale->to(first, at::kFloat, /*non_blocking=*/true);
+    const at::Tensor scale = to_device(*grad_scale, first, at::kFloat);
     total.div_(scale.dim() != 1 ? scale.reshape({1}) : scale);
   }
   std::vector<at::Tensor> out{total};
-  // Blocking into the CPU, whose kernels read the norm at once (FusedLAMB's _async_to).
-  for (size_t d = 1; d < devices_.size(); ++d) out.push_back(total.to(devices_[d], !devices_[d].is_cpu()));
+  for (size_t d = 1; d < devices_.size(); ++d) out.push_back(to_device(total, devices_[d]));
   return out;
 }
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import _ops
+from ._device_copy import to_device
 
 _OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 F32_MAX = torch.finfo(torch.float32).max
@@ -81,7 +82,7 @@ def check_and_unscale_(grads: Iterable[torch.Tensor], found_per_device: dict[tor
 
 def combine_found(found: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One device scalar that is non-zero iff any of ``found`` is, with no host sync."""
-    found = [f if f.device == device else f.to(device, non_blocking=True) for f in found]
+    found = [f if f.device == device else to_device(f, device) for f in found]
     if not found:
         raise AssertionError("No inf checks were recorded.")
     if len(found) == 1:
@@ -100,11 +101,11 @@ def flag_unusable_scale_(found_per_device: dict[torch.device, torch.Tensor], sca
     inv = scale.double().reciprocal().float()
     bad = torch.logical_and(torch.isfinite(inv), inv > 0).logical_not().float()
     for found in {id(f): f for f in found_per_device.values()}.values():
-        torch.maximum(found, bad.to(found.device, non_blocking=True), out=found)
+        torch.maximum(found, to_device(bad, found.device), out=found)
 
 
 class Replicator:
-    """A device scalar served to each device that asks, copied once per device (non-blocking)."""
+    """A device scalar served to each device that asks, copied once per device (_device_copy's rule)."""
 
     def __init__(self, master: torch.Tensor) -> None:
         self.master = master
@@ -113,7 +114,7 @@ class Replicator:
     def get(self, device: torch.device) -> torch.Tensor:
         t = self._copies.get(device)
         if t is None:
-            t = self._copies[device] = self.master.to(device=device, non_blocking=True, copy=True)
+            t = self._copies[device] = to_device(self.master, device, copy=True)
         return t
 
 
@@ -238,7 +239,7 @@ class ScaleState:
         # not once: GradScaler's setters and checkpoints change them.
         scale = self.scale
         if found.device != scale.device:
-            found = found.to(scale.device, non_blocking=True)
+            found = to_device(found, scale.device)
         self._record(found)
         _ops.update_scale_(
             scale, self.growth_tracker, found, float(self.growth_factor), float(self.backoff_factor),
@@ -251,7 +252,7 @@ class ScaleState:
 
     def count_skip(self, found: torch.Tensor) -> None:
         """Counts an overflow without updating the scale (a user-set new scale)."""
-        found = found.to(self.scale.device, non_blocking=True)
+        found = to_device(found, self.scale.device)
         self._record(found)
         self.skipped.add_((found != 0).to(torch.int64))
         for fn in update_observers.get(self, ()):

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from ._device_copy import to_device
 from ._dtensor import local
 
 # Same-width integer views: copies and the select below are then exact for every bit pattern
@@ -184,7 +185,7 @@ class StepGuard:
         for (device, width), (dst, src) in by_group.items():
             flag = flags.get(device)
             if flag is None:
-                flag = flags[device] = found_inf.to(device, non_blocking=True) != 0
+                flag = flags[device] = to_device(found_inf, device) != 0
             take = flag.to(_INT_OF_WIDTH[width])
             keep = (~flag).to(_INT_OF_WIDTH[width])
             torch._foreach_mul_(dst, keep)

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
+from ._device_copy import to_device
 from ._dtensor import any_dtensor, local
 
 __all__ = [
@@ -94,10 +95,10 @@ def agree_found_inf_(found: Union[torch.Tensor, dict], process_group: Any = None
         return
     # Several devices on one rank: one collective for all of them, copied back without a sync.
     first = values[0]
-    combined = torch.stack([v.to(first.device, non_blocking=True).reshape(()) for v in values]).amax()
+    combined = torch.stack([to_device(v, first.device).reshape(()) for v in values]).amax()
     torch.distributed.all_reduce(combined, op=torch.distributed.ReduceOp.MAX, group=group)
     for v in values:
-        v.copy_(combined.to(v.device, non_blocking=True).reshape(v.shape))
+        v.copy_(to_device(combined, v.device).reshape(v.shape))
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------

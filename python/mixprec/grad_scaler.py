@@ -15,6 +15,7 @@ import torch
 from . import _grad_scaler_checks as checks
 from . import _ops
 from . import distributed as _dist
+from ._device_copy import to_device
 from ._dtensor import local_all
 from ._grad_scaler_state import ScalerStateFront
 from ._loss_scale import Replicator, ScaleState, check_and_unscale_, combine_found
@@ -151,7 +152,7 @@ class GradScaler(ScalerStateFront):
         if isinstance(outputs, torch.Tensor):
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
-            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+            return outputs * to_device(self._scale, outputs.device)
         stash: list[Replicator] = []
 
         def apply_scale(val):

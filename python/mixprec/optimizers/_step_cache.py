@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from .._device_copy import to_device
 from ._rules import check_group
 
 GRAD = attrgetter("grad")
@@ -70,10 +71,11 @@ class HyperCache:
 
 
 def device_scalar(t: Optional[torch.Tensor], device: torch.device) -> Optional[torch.Tensor]:
-    """A GradScaler's scale or found_inf, on `device` (non-blocking: no host sync)."""
+    """A GradScaler's scale or found_inf, on `device` (no host sync, but for a CPU `device` beside a
+    GPU scaler: _device_copy says why)."""
     if t is None:
         return None
-    t = t.to(device=device, dtype=torch.float32, non_blocking=True)
+    t = to_device(t, device, torch.float32)
     return t.reshape(1) if t.dim() != 1 else t
 
 

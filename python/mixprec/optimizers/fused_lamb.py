@@ -8,14 +8,9 @@ from collections import defaultdict
 import torch
 
 from .. import _ops
+from .._device_copy import to_device
 from ._base import FusedOptimizer, _device_scalar
 from ._rules import BETAS, CLIP_NORM, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, pair
-
-
-def _async_to(device: torch.device) -> bool:
-    """Whether a copy of a norm to `device` may be non-blocking: not to the CPU, whose kernels read
-    it at once (torch makes a non-blocking device-to-CPU copy into pinned memory, still in flight)."""
-    return device.type != "cpu"
 
 
 def _clips(group: dict) -> bool:
@@ -104,12 +99,12 @@ class FusedLAMB(FusedOptimizer):
         if len(norms) == 1:
             total = norms[0].reshape(1)
         else:  # several devices: combine the squares on the first one
-            total = torch.stack([n.to(first, non_blocking=_async_to(first)) for n in norms]).square().sum()
+            total = torch.stack([to_device(n, first) for n in norms]).square().sum()
             total = total.sqrt().reshape(1)
         grad_scale = _device_scalar(grad_scale, first)
         if grad_scale is not None:
             total = total / grad_scale
-        return {d: total if d == first else total.to(d, non_blocking=_async_to(d)) for d in by_device}
+        return {d: total if d == first else to_device(total, d) for d in by_device}
 
     def _init_state(self, p, group, state):
         # In the parameter's layout (preserve_format): the op walks an entry's tensors in one order.
