@@ -291,7 +291,8 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
 
   // Until the first op returns nothing is written: a refusal up to there takes back what this
   // step made (state, masters, the first group's step count and group tensors), so it changes
-  // nothing. Later ops are checked by then (check_step_inputs), as the Python front's check twins.
+  // nothing. Later groups were checked by check_step_inputs; what only their op checks (memory
+  // shared between its tensors) refuses after earlier groups wrote, and nothing is taken back.
   plans_->made_states.clear();
   plans_->made_tensors.clear();
   size_t first = param_groups_.size();
