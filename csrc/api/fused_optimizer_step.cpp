@@ -8,7 +8,9 @@
 #include <c10/util/SmallVector.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <typeinfo>
 #include <utility>
 
@@ -74,8 +76,17 @@ struct FusedOptimizer::StepPlans {
     };
     std::vector<Entry> entries;
     GroupLists lists;
+    // master_weights off, yet a param with a grad holds a master: its step moves the param alone,
+    // so the master goes after it (end of step()).
+    bool stale_masters = false;
   };
   std::vector<Group> groups;
+  // What this step's rebuilt lists made (state objects, and tensors of existing states: masters
+  // for a group switched to master_weights, or for a param cast to fp16/bf16 after steps): taken
+  // back if the step is refused before its first write, as the Python front does. Empty while
+  // every group's lists hold.
+  std::vector<void*> made_states;
+  std::vector<at::Tensor*> made_tensors;
 };
 
 void FusedOptimizer::DeletePlans::operator()(StepPlans* plans) const { delete plans; }
@@ -181,7 +192,20 @@ bool FusedOptimizer::plan_holds(size_t index, const FusedOptions& options) {
 void FusedOptimizer::build_plan(size_t index, const FusedOptions& options, std::vector<at::Tensor> with_grads) {
   StepPlans::Group& plan = plans_->groups[index];
   plan = StepPlans::Group{};
-  for (const auto& p : with_grads) ensure_state(p, options);
+  for (const auto& p : with_grads) {
+    const auto it = state_.find(p.unsafeGetTensorImpl());
+    if (it == state_.end()) {
+      plans_->made_states.push_back(p.unsafeGetTensorImpl());
+      ensure_state(p, options);
+      continue;
+    }
+    c10::SmallVector<at::Tensor*, 8> undefined;
+    for (const auto& slot : state_of(p).slots())
+      if (!slot.second->defined()) undefined.push_back(slot.second);
+    ensure_state(p, options);
+    for (at::Tensor* t : undefined)
+      if (t->defined()) plans_->made_tensors.push_back(t);
+  }
   const auto& params = param_groups_[index].params();
   for (size_t j = 0, k = 0; j < params.size(); ++j) {
     plan.members.push_back(params[j].unsafeGetTensorImpl());
@@ -194,6 +218,7 @@ void FusedOptimizer::build_plan(size_t index, const FusedOptions& options, std::
   l.masters = masters(with_grads, options);
   for (const auto& p : with_grads) {
     FusedParamState& s = state_of(p);
+    plan.stale_masters = plan.stale_masters || (!options.uses_master_weights() && s.master_param().defined());
     const auto slots = s.slots();
     if (l.keys.empty()) {
       for (const auto& slot : slots) l.keys.push_back(slot.first);
@@ -263,9 +288,34 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     check_step_inputs(i, with_grads, o);
     rebuild.emplace_back(i, std::move(with_grads));
   }
-  for (auto& r : rebuild) build_plan(r.first, *options[r.first], std::move(r.second));
 
-  begin_step();
+  // Until the first op returns nothing is written: a refusal up to there takes back what this
+  // step made (state, masters, the first group's step count and group tensors), so it changes
+  // nothing. Later groups were checked by check_step_inputs; what only their op checks (memory
+  // shared between its tensors) refuses after earlier groups wrote, and nothing is taken back.
+  plans_->made_states.clear();
+  plans_->made_tensors.clear();
+  size_t first = param_groups_.size();
+  c10::SmallVector<const std::string*, 4> first_had;  // the first group's tensors before its step
+  const auto take_back = [&] {
+    for (at::Tensor* t : plans_->made_tensors) *t = at::Tensor();
+    for (void* impl : plans_->made_states) state_.erase(impl);
+    if (first < group_tensors_.size()) {
+      auto& tensors = group_tensors_[first];
+      for (auto it = tensors.begin(); it != tensors.end();) {
+        const bool had = std::find(first_had.begin(), first_had.end(), &it->first) != first_had.end();
+        it = had ? std::next(it) : tensors.erase(it);
+      }
+    }
+    for (auto& plan : plans) plan.built = false;  // they point into what was taken back
+  };
+  try {
+    for (auto& r : rebuild) build_plan(r.first, *options[r.first], std::move(r.second));
+    begin_step();
+  } catch (...) {
+    take_back();
+    throw;
+  }
   struct EndStep {
     FusedOptimizer* self;
     ~EndStep() { self->end_step(); }
@@ -273,14 +323,33 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
   for (size_t i = 0; i < param_groups_.size(); ++i) {
     const GroupLists& l = plans[i].lists;
     if (l.params.empty()) continue;
-    const at::Device device = l.params[0].device();
-    StepArgs args;
-    args.lr = options[i]->get_lr();
-    args.step_tensor = step_tensor_for(i, device);
-    const GradScaling s = scaling_on(device);
-    args.grad_scale = s.grad_scale;
-    args.found_inf = s.found_inf;
-    step_group(i, l, *options[i], args);
+    const bool checked_by_its_op = first == param_groups_.size();
+    if (checked_by_its_op) {
+      first = i;
+      for (const auto& kv : group_tensors_[i])
+        if (kv.second.defined()) first_had.push_back(&kv.first);
+    }
+    try {
+      const at::Device device = l.params[0].device();
+      StepArgs args;
+      args.lr = options[i]->get_lr();
+      args.step_tensor = step_tensor_for(i, device);
+      const GradScaling s = scaling_on(device);
+      args.grad_scale = s.grad_scale;
+      args.found_inf = s.found_inf;
+      step_group(i, l, *options[i], args);
+    } catch (...) {
+      if (checked_by_its_op) take_back();
+      throw;
+    }
+  }
+  // A group stepped without masters moved its params alone: their masters are stale, and kept
+  // they would bring the old weights back once master_weights is on again. Dropped, the next
+  // master step makes them anew from the params (ensure_state); the lists held them, so rebuilt.
+  for (size_t i = 0; i < plans.size(); ++i) {
+    if (!plans[i].stale_masters) continue;
+    for (const auto& p : plans[i].lists.params) state_of(p).master_param(at::Tensor());
+    plans[i].built = false;
   }
   return loss;
 }

@@ -97,6 +97,9 @@ class Row:
     bad_grad: bool = False  # at BAD_STEP group 1's (4, 4) param has a transposed (non-contiguous) grad
     # Why the fronts are expected to differ here (an xfail, strict): None when they must agree.
     expected_difference: Optional[str] = None
+    # master_weights set between steps: (step, group, on), before that step's grads; group -1 is the
+    # whole optimizer (Python's opt.master_weights, C++'s set_master_weights).
+    switches: tuple = ()
 
 
 def table() -> list[Row]:
@@ -112,6 +115,19 @@ def table() -> list[Row]:
     # options remember what a group named, even a value equal to the class's default).
     rows.append(Row(name="adam-float16-group1-explicitly-without-masters", family="adam", dtype="float16",
                     masters="group1_off"))
+    # master_weights switched off and on between steps (issues 20/21): a group stepped without its
+    # masters drops them, and the next master step makes them from the params, in both fronts.
+    # Group 0 switched at MISSING_GRAD_STEP: its first param, not stepped then, keeps its master.
+    rows += [
+        Row(name="sgd-float16-masters-switched-off-and-on", family="sgd", dtype="float16", masters="all",
+            switches=((1, -1, False), (3, -1, True))),
+        Row(name="adam-float16-group0-masters-switched-at-the-missing-grad-step", family="adam", dtype="float16",
+            masters="all", switches=((MISSING_GRAD_STEP, 0, False), (4, 0, True))),
+        Row(name="lamb-bfloat16-masters-switched-on-under-a-scaler", family="lamb", dtype="bfloat16",
+            masters="none", scaler=True, switches=((1, -1, True), (2, -1, False), (5, -1, True))),
+        Row(name="novograd-float16-group1-masters-switched-on-then-refused", family="novograd", dtype="float16",
+            masters="group0", error=True, switches=((1, 1, True), (3, 1, False), (BAD_STEP, 1, True))),
+    ]
     return rows
 
 
@@ -159,6 +175,7 @@ def make_inputs(row: Row, gen: torch.Generator) -> dict:
         bad=(dict(kind="option", group=1, key=fam.bad[0], value=fam.bad[1], step=BAD_STEP) if row.error else
              dict(kind="grad_layout", group=1, param=0, step=BAD_STEP) if row.bad_grad else None),
         construct_error=row.construct_error,
+        switches=[dict(step=st, group=g, on=on) for st, g, on in row.switches],
     )
 
 
@@ -211,6 +228,11 @@ def run_python(sc: dict) -> dict:
             params = [[torch.nn.Parameter(p.detach().clone()) for p in ps] for ps in params]
             opt = _build(sc, params)
             opt.load_state_dict(torch.load(buf, weights_only=True))
+        for switch in (w for w in sc["switches"] if w["step"] == step):
+            if switch["group"] < 0:
+                opt.master_weights = switch["on"]
+            else:
+                opt.param_groups[switch["group"]]["master_weights"] = switch["on"]
         for ps, gs in zip(params, step_grads):
             for p, g in zip(ps, gs):
                 p.grad = None if g is None else g.clone()

@@ -218,6 +218,7 @@ IValue run(const Dict& sc) {
   const IValue bad = at_key(sc, "bad");
   int64_t step = 0;
   const IValue grads = at_key(sc, "grads");
+  const IValue switches = at_key(sc, "switches");
   for (const IValue& step_grads : grads.toListRef()) {
     if (step == checkpoint_after) {
       torch::serialize::OutputArchive out;
@@ -231,6 +232,18 @@ IValue run(const Dict& sc) {
       torch::serialize::InputArchive in;
       in.load_from(in_bytes);
       opt->load(in);
+    }
+    // master_weights set between steps, for the whole optimizer (group -1) or one group.
+    for (const IValue& w : switches.toListRef()) {
+      const Dict sw = w.toGenericDict();
+      if (at_key(sw, "step").toInt() != step) continue;
+      const int64_t group = at_key(sw, "group").toInt();
+      const bool on = at_key(sw, "on").toBool();
+      if (group < 0) {
+        opt->set_master_weights(on);
+      } else {
+        fam.set(opt->param_groups()[group].options(), "master_weights", IValue(on));
+      }
     }
     const auto& per_group = step_grads.toListRef();
     for (size_t g = 0; g < params.size(); ++g) {
