@@ -36,8 +36,11 @@ def test_cpu_group_steps_with_the_scalers_current_scale_and_flag(family, gen):
         g_cpu, g_gpu = torch.randn(4099, generator=gen), torch.randn(3, 1 << 16, generator=gen).cuda()
         skip = step == 3
         if skip:
-            g_gpu[1, 7] = float("inf")
-        cpu.grad, gpu.grad = g_cpu * SCALE, g_gpu * SCALE
+            g_gpu[1, 7] = float("inf")  # an inf gradient on the GPU group
+        opt.zero_grad()
+        # d loss / d p = g exactly, times the scale (a power of two): one loss over both devices.
+        loss = (gpu * g_gpu).sum() + (cpu * g_cpu).sum().to("cuda")
+        scaler.scale(loss).backward()
         before = (cpu.detach().clone(), gpu.detach().clone())
         busy_gpu()
         scaler.step(opt)
