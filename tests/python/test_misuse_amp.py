@@ -130,7 +130,8 @@ def test_loss_scaler_scale_is_settable_and_checked(gen):
     model, opt = o2_world(gen)
     train_step(model, opt, gen)
     scaler = _amp_state.loss_scalers[0]
-    assert scaler._loss_scale == amp.loss_scale() == 2.0**16
+    # 2**15 when this seed's first fp16 step overflowed at the starting 2**16 (rightly skipped).
+    assert scaler._loss_scale == amp.loss_scale() and amp.loss_scale() in (2.0**16, 2.0**15)
     scaler._loss_scale = 128.0
     assert scale_in_force(model, opt, gen) == 128.0
     assert _amp_state.opt_properties.opt_level == "O2" and _amp_state.opt_properties.master_weights
@@ -415,22 +416,26 @@ def test_master_params_between_delayed_blocks_changes_nothing(kind, gen):
     # read); the blocks after it must then not add scaled gradients onto the unscaled ones.
     (m_a, o_a), (m_b, o_b) = twin_worlds(gen, kind)
     xs = [random_tensor((16, 8), torch.float32, "cpu", gen) for _ in range(3)]
-    worlds = []
+    grads: list[list[torch.Tensor]] = []
     for peek, (model, opt) in zip((True, False), ((m_a, o_a), (m_b, o_b))):
         # amp's scalers are global: one world at a time. A small static scale, so that neither
         # world overflows (where float16 sums overflow depends on the order they are taken in).
         model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
-        worlds.append((model, opt))
         opt.zero_grad()
         for i, x in enumerate(xs):
             with amp.scale_loss(loss_of(model, x), opt, delay_unscale=i < len(xs) - 1) as s:
                 s.backward()
             if peek and i == 0:
                 list(amp.master_params(opt))
+        # The gradients the step will apply (reading the masters completes world b's chain too).
+        grads.append([p.grad.detach().clone() for p in amp.master_params(opt)])
         opt.step()
-    # The same sums, rounded in other orders (float16 model grads, float32 master grads).
-    for a, b in zip(worlds[0][0].parameters(), worlds[1][0].parameters()):
-        assert torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-3)
+    # The same sums, rounded in other orders (float16 model grads, float32 master grads); scaled
+    # gradients added onto unscaled ones would be 128x off. The grads, not the weights, are
+    # compared: Adam's update of a near-zero gradient is +-lr whatever its size, so a rounding
+    # that flips such a gradient's sign moves a weight by 2 lr (seed 88).
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-3 * b.abs().max().item()), f"master grad {i}"
 
 
 @pytest.mark.parametrize("level, kind", [("O2", "fused"), ("O2", "torch"), ("O1", "torch")])
