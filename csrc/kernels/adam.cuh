@@ -2,6 +2,8 @@
 // moments; reads each operand once and writes each result once (see kernels/adam.h).
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/adam.h"
 #include "kernels/multi_tensor.cuh"
 #include "kernels/optim_common.cuh"
@@ -26,11 +28,24 @@ template <typename TP, typename TG, typename TS, bool kStoreGrad, int kPath> str
     // 16 bytes wide (fp32 everywhere), one when fp32 lists take two words each.
     constexpr int N = vec_elems<TP, TG, TS, float>();
     constexpr int Ilp = N >= 8 ? 1 : 2;
-    // max_exp_avg_sq is a list of its own with amsgrad only (elsewhere the update ignores it).
-    const StateRole moments[] = {{kAdamExpAvg}, {kAdamExpAvgSq}, {kAdamMaxExpAvgSq, p.amsgrad, p.amsgrad, false}};
-    OptimStream<TP, TG, TS, N, Ilp, kPath, kStoreGrad, kStreamPacked>::run(
-        table, ctx, p.weights, p.scalars, kAdamParam, kAdamGrad, c.inv_scale, moments,
-        [&](int64_t, float& g, float& w, float& m, float& v, float& vm) { adam_update(c, g, w, m, v, vm); });
+    // One loop per AdamFlagCase (adam.h: with every flag live the fp16 loop spills). max_exp_avg_sq
+    // is a list of its own with amsgrad only (elsewhere the update ignores it).
+    const auto stream = [&](auto flag_case) {
+      constexpr int kCase = decltype(flag_case)::value;
+      const bool amsgrad = kCase == kAdamAnyFlags && p.amsgrad;
+      const StateRole moments[] = {{kAdamExpAvg}, {kAdamExpAvgSq}, {kAdamMaxExpAvgSq, amsgrad, amsgrad, false}};
+      OptimStream<TP, TG, TS, N, Ilp, kPath, kStoreGrad, kStreamPacked>::run(
+          table, ctx, p.weights, p.scalars, kAdamParam, kAdamGrad, c.inv_scale, moments,
+          [&](int64_t, float& g, float& w, float& m, float& v, float& vm) { adam_update<kCase>(c, g, w, m, v, vm); });
+    };
+    switch (adam_flag_case(c)) {
+      case kAdamDecoupledDecay:
+        return stream(std::integral_constant<int, kAdamDecoupledDecay>{});
+      case kAdamNoDecay:
+        return stream(std::integral_constant<int, kAdamNoDecay>{});
+      default:
+        return stream(std::integral_constant<int, kAdamAnyFlags>{});
+    }
   }
 };
 

@@ -127,8 +127,12 @@ def run_family(make, call, hyper, dtype, masters, bias_correction, state_keys, g
 
 # ---- Adam: fp32 and bf16 moments, amsgrad; 8-bit moments ----------------------------------------
 
+# One config per loop the CUDA kernel compiles (AdamFlagCase, kernels/adam.h): decoupled decay,
+# no decay, and every flag live (L2 decay; maximize with amsgrad; bf16 moments with amsgrad).
 ADAM_CONFIGS = {
     "adamw": (dict(adam_w_mode=True, weight_decay=0.1), {}),
+    "no_decay": (dict(weight_decay=0.0), {}),
+    "l2": (dict(adam_w_mode=False, weight_decay=0.05), {}),
     "l2_maximize_amsgrad": (dict(adam_w_mode=False, weight_decay=0.05, maximize=True), dict(amsgrad=True)),
     "bf16_moments_amsgrad": (dict(weight_decay=0.0), dict(amsgrad=True, state_dtype=torch.bfloat16)),
 }
