@@ -175,6 +175,30 @@ def test_checkpoints_move_between_remainder_and_fp32_masters(family, direction, 
         assert key in target.state[p] and len({"master_param", _lean.REMAINDER} & set(target.state[p])) == 1
 
 
+def test_a_resumed_fp32_master_step_rounds_the_weight_to_nearest_even(gen):
+    # A remainder checkpoint resumed with fp32 masters: its first step still steps the remainders
+    # (ties toward zero), then the masters change form; the weight must then be what an fp32-master
+    # step writes, the master rounded to nearest even. Masters on exact ties (low half 0x8000) under
+    # odd bf16 weights tell the two apart; lr 0 keeps every master where it is.
+    odd = (torch.randint(0x3F00, 0x4000, (64,), generator=gen) | 1).to(torch.int16)
+    params = [odd.view(torch.bfloat16).clone().requires_grad_()]
+    source = mixprec.optimizers.FusedAdam(params, lr=0.0, master_weights="remainder")
+    params[0].grad = torch.zeros_like(params[0])
+    source.step()
+    source.state[params[0]][_lean.REMAINDER].fill_(-0x8000)  # low half 0x8000 as int16
+    masters = _lean.rebuild(params[0], source.state[params[0]][_lean.REMAINDER])
+    assert bool(((bits(masters).to(torch.int64) & 0xFFFF) == 0x8000).all())
+    target_params = clones(params)
+    target = mixprec.optimizers.FusedAdam(target_params, lr=0.0, master_weights=True)
+    target.load_state_dict(source.state_dict())
+    target.master_weights = True
+    target_params[0].grad = torch.zeros_like(target_params[0])
+    target.step()
+    assert_bitwise_equal(target.state[target_params[0]]["master_param"], masters, "masters")
+    assert_bitwise_equal(target_params[0].detach(), rne_bf16(masters), "weights (nearest even)")
+    assert not torch.equal(target_params[0].detach(), params[0].detach())  # the ties-toward-zero weights
+
+
 @pytest.mark.parametrize("bad", [torch.float16, torch.float32])
 def test_remainder_needs_bf16_params_and_a_refusal_changes_nothing(bad, gen):
     good = make_params(gen, "cpu", [(5,)])

@@ -133,7 +133,10 @@ def _settle_group(optimizer: Any, group: dict, params: list[torch.Tensor]) -> No
             weight, state[REMAINDER] = split(state.pop("master_param"))
             p.copy_(weight)
         elif mode and mode != "remainder" and REMAINDER in state:
-            state["master_param"] = rebuild(p, state.pop(REMAINDER))
+            # The step wrote the weight as a remainder step does (ties toward zero); an fp32-master
+            # step writes the master rounded to nearest even, and so must this one's result.
+            state["master_param"] = master = rebuild(p, state.pop(REMAINDER))
+            p.copy_(master)
 
 
 def loaded_remainder(value: Any, p: torch.Tensor, where: str) -> torch.Tensor:
