@@ -1,4 +1,4 @@
-# The fifth misuse probe (issue 20), part 2: amp with the lean optimizer options (stochastic rounding,
+# The fifth misuse probe (issue 20), part 3: amp with the lean optimizer options (stochastic rounding,
 # remainder masters, 8-bit moments) and FP8, checkpoints moved between those modes, and
 # mixprec.GradScaler with several optimizers and losses beside torch.amp.GradScaler.
 from __future__ import annotations

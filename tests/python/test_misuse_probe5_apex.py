@@ -1,4 +1,4 @@
-# The fifth misuse probe (issue 20), part 3: Apex's surfaces on mixprec (LARC, amp_C through
+# The fifth misuse probe (issue 20), part 4: Apex's surfaces on mixprec (LARC, amp_C through
 # multi_tensor_applier, apex.normalization) and the integrations' helpers, misused: every refusal
 # names the call and argument and changes nothing; everything else computes what Apex computes.
 from __future__ import annotations

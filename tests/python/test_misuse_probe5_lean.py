@@ -1,6 +1,6 @@
 # The fifth misuse probe (issue 20), part 1: the lean weight and state options of the fused
 # optimizers (remainder masters, stochastic rounding, bf16 and 8-bit Adam moments) changed between
-# steps, through param_groups, attributes and checkpoints, on the held (cached) step path too.
+# steps, through param_groups, attributes and checkpoints (held steps: test_misuse_probe5_held.py).
 from __future__ import annotations
 
 import copy
@@ -9,96 +9,10 @@ import io
 import pytest
 import torch
 
-import test_optimizer_step_cache as cache
 from conftest import assert_bitwise_equal, random_tensor
 from test_misuse_probe4 import make as make_opt
 from test_misuse_probe4 import refused
-from mixprec import GradScaler
-from mixprec.optimizers import FusedAdam, FusedLAMB, FusedSGD, _held, _lean
-
-# ---- held steps: every change between steps reaches the next one ----------------------------------
-# Each configuration trains STEPS steps (the last ones held), then one change is made; the next
-# two steps must equal those of a fresh deepcopy (no held steps, no caches), error for error.
-LEAN = {
-    "adam-remainder": ("adam", torch.bfloat16, dict(master_weights="remainder")),
-    "adam-stochastic": ("adam", torch.bfloat16, dict(master_weights=False, rounding="stochastic", seed=11)),
-    "adam-int8": ("adam", torch.float32, dict(state_dtype=torch.int8)),
-    "adam-remainder-int8": ("adam", torch.bfloat16, dict(master_weights="remainder", state_dtype=torch.int8)),
-    "adam-fp16-bf16-moments": ("adam", torch.float16, dict(master_weights=True, state_dtype=torch.bfloat16)),
-    "sgd-remainder": ("sgd", torch.bfloat16, dict(master_weights="remainder")),
-    "lamb-stochastic": ("lamb", torch.bfloat16, dict(master_weights=False, rounding="stochastic", seed=3)),
-    "novograd-remainder": ("novograd", torch.bfloat16, dict(master_weights="remainder")),
-}
-
-
-def seed_changed(opt, gen):
-    opt.param_groups[0]["seed"] = opt.param_groups[0]["seed"] + 5
-
-
-def state_dtype_in_group(opt, gen):
-    group = opt.param_groups[0]
-    if "state_dtype" in group and isinstance(opt, FusedAdam):
-        group["state_dtype"] = torch.float32 if group["state_dtype"] is not torch.float32 else torch.int8
-
-
-def state_dtype_attribute(opt, gen):
-    if isinstance(opt, FusedAdam):
-        opt.state_dtype = torch.bfloat16 if opt.param_groups[0]["state_dtype"] is not torch.bfloat16 else torch.int8
-
-
-def masters_fp32(opt, gen):
-    if opt.param_groups[0]["rounding"] != "stochastic":
-        opt.master_weights = True
-
-
-def remainder_in_group(opt, gen):
-    if opt.param_groups[0]["rounding"] != "stochastic" and opt.param_groups[0]["params"][0].dtype == torch.bfloat16:
-        opt.param_groups[0]["master_weights"] = "remainder"
-
-
-def rounding_flipped(opt, gen):
-    group = opt.param_groups[0]
-    if not group["master_weights"]:
-        group["rounding"] = "nearest" if group["rounding"] == "stochastic" else "stochastic"
-
-
-def amsgrad_on(opt, gen):
-    group = opt.param_groups[0]
-    if "amsgrad" in group and group.get("state_dtype") is not torch.int8:
-        group["amsgrad"] = True
-
-
-def reloaded_weights_only(opt, gen):
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    opt.load_state_dict(torch.load(buf, weights_only=True))
-
-
-LEAN_CHANGES = [seed_changed, state_dtype_in_group, state_dtype_attribute, masters_fp32, remainder_in_group,
-                rounding_flipped, amsgrad_on, reloaded_weights_only, cache.replace_data, cache.grad_dtype,
-                cache.freeze, cache.add_group, cache.lr_tensor, cache.lr_tensor_in_place, cache.state_dict_replaced,
-                cache.reorder]
-
-
-@pytest.mark.parametrize("change", LEAN_CHANGES, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("config", list(LEAN))
-def test_a_change_between_held_lean_steps_acts_as_on_a_fresh_copy(config, change, gen, seed):
-    family, dtype, kw = LEAN[config]
-    opt = cache.make(family, dtype, gen, **kw)
-    for i in range(cache.STEPS):
-        assert cache.outcome(opt, seed + i)[0] == "ok"
-    assert _held.HeldSteps.current(opt) is not None  # the next step would be held but for the change
-    opt._saved = copy.deepcopy(opt.state_dict())
-    change(opt, gen)
-    fresh = copy.deepcopy(opt)
-    dtypes = getattr(opt, "_next_grad_dtypes", None)
-    for i in range(2):
-        a, b = cache.outcome(opt, seed + 100 + i, dtypes), cache.outcome(fresh, seed + 100 + i, dtypes)
-        cache.assert_same_outcome(a, b)
-        if a[0] == "error":
-            break
-
+from mixprec.optimizers import FusedAdam, FusedSGD, _held, _lean
 
 # ---- FusedAdam's state_dtype and amsgrad set in param_groups between steps -----------------------
 
@@ -281,77 +195,3 @@ def test_a_seed_changed_between_held_steps_rounds_as_a_new_optimizer_with_it(gen
     opt.step()
     ref.step()
     assert_bitwise_equal(ps[0].detach(), twins[0].detach())
-
-
-# ---- skipped steps and FusedLAMB's held norm ----------------------------------------------------
-
-@pytest.mark.parametrize("cls, kw", [
-    (FusedAdam, dict(master_weights="remainder", state_dtype=torch.int8)),
-    (FusedSGD, dict(rounding="stochastic", momentum=0.9)),
-    (FusedLAMB, dict(master_weights="remainder")),
-], ids=["adam-remainder-int8", "sgd-stochastic", "lamb-remainder"])
-def test_a_scaler_skipped_held_lean_step_changes_no_bit(cls, kw, gen):
-    """Weights, remainders, 8-bit codes and scales, momentum: a step skipped for an inf gradient
-    (held by then) leaves every one bit for bit, and the scale backs off."""
-    ps = [torch.nn.Parameter(random_tensor(s, torch.float32, "cpu", gen).bfloat16()) for s in ((300,), (5, 3))]
-    opt = cls(ps, lr=1e-2, **kw)
-    scaler = GradScaler("cpu", init_scale=2.0**4)
-    scaler.scale(torch.ones(()))
-    for step in range(5):
-        for p in ps:
-            p.grad = random_tensor(p.shape, torch.float32, "cpu", gen, 2.0**4).bfloat16()
-        if step == 3:
-            assert _held.HeldSteps.current(opt) is not None
-            ps[1].grad[0, 0] = float("inf")
-            before = [t.clone() for t in ps] + [v.clone() for p in ps for v in opt.state[p].values()]
-        scaler.step(opt)
-        scaler.update()
-        if step == 3:
-            after = [t.clone() for t in ps] + [v.clone() for p in ps for v in opt.state[p].values()]
-            for a, b in zip(before, after):
-                assert_bitwise_equal(a, b)
-            assert scaler.get_scale() == 2.0**3
-
-
-def lamb_second_group_clip(opt, ps):
-    opt.param_groups[1]["max_grad_norm"] = 0.25
-
-
-def lamb_grad_dropped(opt, ps):
-    opt._drop = 3  # the next grads leave param 3 without one
-
-
-def lamb_frozen(opt, ps):
-    ps[0].requires_grad_(False)
-
-
-def lamb_group_options_swapped(opt, ps):
-    a, b = opt.param_groups
-    a["max_grad_norm"], b["max_grad_norm"] = b["max_grad_norm"], a["max_grad_norm"]
-
-
-@pytest.mark.parametrize("change", [lamb_second_group_clip, lamb_grad_dropped, lamb_frozen, lamb_group_options_swapped],
-                         ids=lambda f: f.__name__)
-def test_lambs_held_global_norm_sees_a_change_in_any_group(change, gen, seed):
-    """Two groups, one clipping: the held norm over every group's grads must be the checked one."""
-    ps = [torch.nn.Parameter(random_tensor((5,), torch.float32, "cpu", gen)) for _ in range(4)]
-    opt = FusedLAMB([{"params": ps[:2]}, {"params": ps[2:], "max_grad_norm": 0.0}], lr=1e-2, max_grad_norm=0.5)
-
-    def grads(params, s, drop=None):
-        g = torch.Generator().manual_seed(s)
-        for i, p in enumerate(params):
-            p.grad = None if i == drop else random_tensor(p.shape, torch.float32, "cpu", g, 3.0)
-
-    for i in range(3):
-        grads(ps, seed + i)
-        opt.step()
-    assert _held.HeldSteps.current(opt) is not None
-    change(opt, ps)
-    fresh = copy.deepcopy(opt)
-    fresh_ps = [p for g in fresh.param_groups for p in g["params"]]
-    for i in range(2):
-        for o, params in ((opt, ps), (fresh, fresh_ps)):
-            grads(params, seed + 10 + i, getattr(opt, "_drop", None))
-            o.step()
-        for p, q in zip(ps, fresh_ps):
-            assert_bitwise_equal(p.detach(), q.detach(), f"step {i}")
