@@ -195,3 +195,38 @@ def test_a_seed_changed_between_held_steps_rounds_as_a_new_optimizer_with_it(gen
     opt.step()
     ref.step()
     assert_bitwise_equal(ps[0].detach(), twins[0].detach())
+
+
+# ---- a checkpoint of any lean mode loaded into an optimizer built for any other ------------------
+ADAM_MODES = {"plain": {}, "bf16-moments": dict(state_dtype=torch.bfloat16), "int8": dict(state_dtype=torch.int8),
+              "remainder": dict(master_weights="remainder"), "stochastic": dict(rounding="stochastic", seed=5),
+              "masters": dict(master_weights=True), "amsgrad": dict(amsgrad=True)}
+SGD_MODES = {"plain": dict(momentum=0.9), "param-momentum": dict(momentum=0.9, state_dtype="param"),
+             "remainder": dict(momentum=0.9, master_weights="remainder"), "masters": dict(momentum=0.9, master_weights=True),
+             "stochastic": dict(momentum=0.9, rounding="stochastic"), "no-momentum": {}}
+MODE_PAIRS = [(FusedAdam, a, b) for a in ADAM_MODES for b in ADAM_MODES] + [
+    (FusedSGD, a, b) for a in SGD_MODES for b in SGD_MODES]
+
+
+@pytest.mark.parametrize("cls, source, target", MODE_PAIRS,
+                         ids=[f"{c.__name__}-{a}-into-{b}" for c, a, b in MODE_PAIRS])
+def test_a_checkpoint_loaded_weights_only_into_another_mode_continues_the_run(cls, source, target, gen):
+    """The checkpoint's options win over the constructor's (as for every option), its state comes
+    in its own form, and the resumed steps are the saved run's, bit for bit."""
+    modes = ADAM_MODES if cls is FusedAdam else SGD_MODES
+    ps, opt = make_opt(cls, gen, dtype=torch.bfloat16, shapes=((300,), (5, 3)), **modes[source])
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    resumed = cls(twins, lr=0.1, **modes[target])
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    for _ in range(2):
+        for p, t in zip(ps, twins):
+            p.grad = random_tensor(p.shape, torch.float32, "cpu", gen).bfloat16()
+            t.grad = p.grad.clone()
+        opt.step()
+        resumed.step()
+        for p, t in zip(ps, twins):
+            assert_bitwise_equal(p.detach(), t.detach())
