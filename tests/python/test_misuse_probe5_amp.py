@@ -286,3 +286,56 @@ def test_an_fp8_linear_given_an_input_of_another_dtype_fails_as_nn_linear(dtype,
             module(x)
         errors.append(str(info.value))
     assert errors[0] == errors[1]
+
+
+def _world(model, opt):
+    return [t.detach().clone() for t in model.parameters()] + [p.grad.clone() for p in model.parameters()] + [
+        v.clone() for s in opt.state.values() for v in s.values()]
+
+
+def _same(a, b):
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["handle_scale_loss", "wrap_optimizer"])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_guarded_step_the_optimizer_refuses_keeps_its_overflow_flag_for_the_retry(overflow, wrapped, device, gen):
+    """The guard (the overflow flag of the blocks since the last step) was dropped before the step
+    ran: a step the fused optimizer refused (a NaN lr), retried once fixed, then applied the
+    overflowing gradients on a GPU, where the step is called to skip itself on the device. (On the
+    CPU the flag is read on the host and an overflowing step is never called.)"""
+    from mixprec.amp import _o1_scale
+
+    model = make_model(gen).to(device)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    handle = amp.init(loss_scale=128.0)
+    try:
+        stepper = handle.wrap_optimizer(opt) if wrapped else opt
+        scale_loss = stepper.scale_loss if wrapped else (lambda loss: handle.scale_loss(loss, opt))
+        x = random_tensor((6, 16), torch.float32, device, gen)
+        with scale_loss(model(x).float().square().mean()) as scaled:
+            scaled.backward()
+            if overflow:
+                model[0].weight.grad[0, 0] = math.inf
+        opt.param_groups[0]["lr"] = float("nan")
+        before = _world(model, opt)
+        flags = (stepper._found, stepper._loss_idx) if wrapped else None
+        try:
+            stepper.step()
+            was_refused = False
+        except ValueError as e:
+            assert "invalid lr nan" in str(e)
+            was_refused = True
+        assert was_refused != (overflow and device == "cpu")
+        assert _same(before, _world(model, opt)), "a skipped or refused step changes nothing"
+        if not was_refused:
+            return
+        if wrapped:  # the wrapper's losses since the last step, with their flag, are as before
+            assert stepper._loss_idx == flags[1] and torch.equal(stepper._found, flags[0])
+        else:
+            assert _o1_scale.is_armed(opt)
+        opt.param_groups[0]["lr"] = 1e-2
+        stepper.step()
+        assert _same(before, _world(model, opt)) == overflow
+    finally:
+        handle._deactivate()
