@@ -339,3 +339,32 @@ def test_a_guarded_step_the_optimizer_refuses_keeps_its_overflow_flag_for_the_re
         assert _same(before, _world(model, opt)) == overflow
     finally:
         handle._deactivate()
+
+
+@pytest.mark.parametrize("opt_cls", [FusedAdam, FusedSGD], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("overflow", [False, True])
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_an_amp_step_refused_then_retried_is_the_step_it_would_have_been(level, overflow, opt_cls, gen):
+    """amp.initialize's step keeps the block's flag and scale until a step runs: the retry of a
+    refused step (a NaN lr) skips an overflow and otherwise steps as the twin that never failed."""
+    model, twin = twin_models(gen)
+    x = random_tensor((4, 16), torch.float32, "cpu", gen)
+    results = []
+    for refuse, m in ((True, model), (False, twin)):
+        m, opt = amp.initialize(m, opt_cls(m.parameters(), lr=1e-2), opt_level=level, loss_scale="dynamic",
+                                verbosity=0)
+        with amp.scale_loss(m(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+            if overflow:
+                m[0].weight.grad[0, 0] = math.inf
+        if refuse:
+            opt.param_groups[0]["lr"] = float("nan")
+            before = [p.detach().clone() for p in m.parameters()]
+            with pytest.raises(ValueError, match="invalid lr nan"):
+                opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+            opt.param_groups[0]["lr"] = 1e-2
+        opt.step()
+        results.append([p.detach().clone() for p in m.parameters()])
+    for a, b in zip(*results):
+        assert_bitwise_equal(a, b)
