@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import test_optimizer_step_cache as cache
 from conftest import assert_bitwise_equal, random_tensor
+from test_misuse_probe5_lean import resumed_weights_only, step_pair
 from mixprec import GradScaler
 from mixprec.optimizers import FusedAdam, FusedLAMB, FusedSGD, _held
 
@@ -232,16 +233,5 @@ def test_random_option_changes_between_steps_agree_on_every_path(changes, seed):
                 for key in a.state[p]:
                     assert_bitwise_equal(a.state[p][key], b.state[q][key], f"step {step}: {key}")
     (ps, opt), _ = pair
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    resumed = FusedAdam(twins)
-    resumed.load_state_dict(torch.load(buf, weights_only=True))
-    for p, t in zip(ps, twins):
-        p.grad = random_tensor(p.shape, torch.float32, "cpu", gen).bfloat16()
-        t.grad = p.grad.clone()
-    opt.step()
-    resumed.step()
-    for p, t in zip(ps, twins):
-        assert_bitwise_equal(p.detach(), t.detach(), "resumed")
+    twins, resumed = resumed_weights_only(opt, ps)
+    step_pair(opt, ps, resumed, twins, gen, 1)

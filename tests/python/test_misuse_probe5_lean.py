@@ -28,6 +28,33 @@ def resumed_as(opt, ps, state_dtype):
     return twins, ref
 
 
+def resumed_weights_only(opt, ps, cls=FusedAdam, **kw):
+    """A new `cls` over copies of `ps`, loaded with opt's state_dict through torch.save and
+    torch.load(weights_only=True)."""
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    resumed = cls(twins, **kw)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    return twins, resumed
+
+
+def step_pair(a, ps, b, twins, gen, steps, state_keys=()):
+    """`steps` steps of both optimizers on the same fresh bf16 gradients; after each their params
+    (and the state named) are equal bit for bit."""
+    for step in range(steps):
+        for p, t in zip(ps, twins):
+            p.grad = random_tensor(p.shape, torch.float32, "cpu", gen).to(p.dtype)
+            t.grad = p.grad.clone()
+        a.step()
+        b.step()
+        for p, t in zip(ps, twins):
+            assert_bitwise_equal(p.detach(), t.detach(), f"step {step}")
+            for key in state_keys:
+                assert_bitwise_equal(a.state[p][key], b.state[t][key], f"step {step}: {key}")
+
+
 MOMENT_SWITCHES = [(torch.float32, torch.int8), (torch.int8, torch.float32), (torch.float32, torch.bfloat16),
                    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.int8), (torch.int8, torch.bfloat16)]
 
@@ -150,22 +177,9 @@ def test_a_remainder_int8_checkpoint_resumes_in_a_default_optimizer_bit_for_bit(
     ps, opt = make_opt(FusedAdam, gen, dtype=torch.bfloat16, shapes=((300,), (5, 3)), master_weights="remainder",
                        state_dtype=torch.int8)
     opt.step()
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    resumed = FusedAdam(twins)
-    buf.seek(0)
-    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    twins, resumed = resumed_weights_only(opt, ps)
     assert resumed.master_weights == "remainder" and resumed.state_dtype is torch.int8
-    for _ in range(2):
-        for p, t in zip(ps, twins):
-            p.grad = random_tensor(p.shape, torch.float32, "cpu", gen).bfloat16()
-            t.grad = p.grad.clone()
-        opt.step()
-        resumed.step()
-        for p, t in zip(ps, twins):
-            assert_bitwise_equal(p.detach(), t.detach())
-            assert_bitwise_equal(opt.state[p][_lean.REMAINDER], resumed.state[t][_lean.REMAINDER])
+    step_pair(opt, ps, resumed, twins, gen, 2, state_keys=(_lean.REMAINDER, "exp_avg", "exp_avg_scale"))
 
 
 @pytest.mark.parametrize("rounding, new_dtype", [("remainder", torch.float32), ("remainder", torch.float16),
@@ -216,17 +230,5 @@ def test_a_checkpoint_loaded_weights_only_into_another_mode_continues_the_run(cl
     modes = ADAM_MODES if cls is FusedAdam else SGD_MODES
     ps, opt = make_opt(cls, gen, dtype=torch.bfloat16, shapes=((300,), (5, 3)), **modes[source])
     opt.step()
-    buf = io.BytesIO()
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    resumed = cls(twins, lr=0.1, **modes[target])
-    resumed.load_state_dict(torch.load(buf, weights_only=True))
-    for _ in range(2):
-        for p, t in zip(ps, twins):
-            p.grad = random_tensor(p.shape, torch.float32, "cpu", gen).bfloat16()
-            t.grad = p.grad.clone()
-        opt.step()
-        resumed.step()
-        for p, t in zip(ps, twins):
-            assert_bitwise_equal(p.detach(), t.detach())
+    twins, resumed = resumed_weights_only(opt, ps, cls, lr=0.1, **modes[target])
+    step_pair(opt, ps, resumed, twins, gen, 2)
