@@ -168,6 +168,7 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
     _check_targets(model_list, optimizer_list, props)
     if props.master_weights == "remainder":
         _check_remainder(optimizer_list, cast)
+    _check_rounding(optimizer_list, cast, props.master_weights)
     scalers = [LossScaler(props.loss_scale, i, min_loss_scale, max_loss_scale, scale_history)
                for i in range(num_losses)]
 
@@ -354,6 +355,26 @@ def _check_remainder(optimizers: list, cast: Any) -> None:
         if not isinstance(opt, FusedOptimizer):
             raise ValueError(f"amp.initialize: master_weights='remainder' needs mixprec fused optimizers; optimizer "
                              f"{i} is {type(opt).__name__}")
+
+
+def _check_rounding(optimizers: list, cast: Any, master_weights: Any) -> None:
+    """A fused optimizer's rounding='stochastic' rounds bfloat16 weights kept without masters (O3,
+    or O2 with master_weights=False, at bfloat16): refused here, before anything changes, where
+    the level would make every step refuse it (masters on, or weights cast to float16)."""
+    for i, opt in enumerate(optimizers):
+        if not isinstance(opt, FusedOptimizer):
+            continue
+        for j, group in enumerate(opt.param_groups):
+            if group.get("rounding") != "stochastic":
+                continue
+            where = f"amp.initialize: optimizer {i} param group {j} has rounding='stochastic'"
+            if master_weights:
+                raise ValueError(f"{where}, which rounds weights kept without masters; this level keeps fp32 "
+                                 "masters (O2): use opt_level='O3' (or master_weights=False) with "
+                                 "cast_model_type=torch.bfloat16, or rounding='nearest'")
+            if cast is not None and cast is not torch.bfloat16:
+                raise ValueError(f"{where}, which rounds to bfloat16; the model is cast to {cast}: pass "
+                                 "cast_model_type=torch.bfloat16 (or dtype=torch.bfloat16)")
 
 
 def _refresh_hook(module, incompatible_keys, *, optimizers):

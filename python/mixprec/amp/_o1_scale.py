@@ -108,7 +108,15 @@ def arm(optimizer: torch.optim.Optimizer, found: torch.Tensor) -> None:
 
     def armed_step(*args, **kwargs):
         check_no_closure(args, kwargs)
-        return guarded_step(optimizer, disarm(optimizer), step, args, kwargs)
+        found = disarm(optimizer)
+        try:
+            return guarded_step(optimizer, found, step, args, kwargs)
+        except BaseException:
+            # A refused step (a fused optimizer's bad option, say) changes nothing: the retry must
+            # still skip an overflow. Disarmed, it applied the overflowing gradients (on a GPU,
+            # where the flag is not read on the host and the step is called to skip itself).
+            arm(optimizer, found)
+            raise
 
     _ARMED[optimizer] = [found, vars(optimizer).get("step", _MISSING)]
     optimizer.step = armed_step
@@ -181,9 +189,11 @@ class OptimWrapper:
             return self._optimizer.step(closure=closure) if closure is not None else self._optimizer.step()
         if closure is not None:
             raise NotImplementedError("The `closure` argument is unsupported by the amp optimizer wrapper.")
-        found, self._found, self._loss_idx = self._found, None, 0
         self._amp_handle._clear_cache()
-        return guarded_step(self._optimizer, found, self._optimizer.step, (), {})
+        out = guarded_step(self._optimizer, self._found, self._optimizer.step, (), {})
+        # After the step: a refused one keeps the overflow flag of its losses for the retry.
+        self._found, self._loss_idx = None, 0
+        return out
 
     def __getattr__(self, attr: str) -> Any:
         if attr == "_optimizer":  # not set yet (unpickling): no recursion

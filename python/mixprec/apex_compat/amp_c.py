@@ -141,9 +141,22 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
     noop_flag.copy_(found.reshape(noop_flag.shape))
 
 
+def _flag(call: str, name: str, value) -> bool:
+    """A bool argument (Apex's binding takes a bool or None, no string: "False" is true to bool())."""
+    if value is not None and value not in (True, False):
+        raise TypeError(f"{call}: invalid {name} {value!r}; expected True or False")
+    return bool(value)
+
+
+def _device_tensor(call: str, name: str, value, what: str) -> None:
+    """Apex's tensor arguments: a Python number there was a pybind TypeError; here it named none of them."""
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{call}: invalid {name} {value!r}; expected {what}")
+
+
 def _l2norm(call, chunk_size, noop_flag, tensor_lists, per_tensor, inv_scale=None):
+    per_tensor = _flag(call, "per_tensor", per_tensor)
     (tensors,) = _check(call, chunk_size, noop_flag, tensor_lists, (1,))
-    per_tensor = bool(per_tensor)
     if not tensors:
         total = torch.zeros(1, dtype=torch.float32, device=noop_flag.device)
         return total, total.new_empty(0)
@@ -226,10 +239,14 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
         _momentum_state(call, lists)
     scale = float(scale)
     # mixprec divides by a loss scale; Apex multiplies by its reciprocal (exact for powers of two).
-    grad_scale = None if scale == 1.0 else _device_scalar(1.0 / scale, noop_flag)
+    # A scale of 0 has no reciprocal: the op gets Apex's products (zeros, NaN for inf/NaN grads).
+    grad_scale = None if scale in (0.0, 1.0) else _device_scalar(1.0 / scale, noop_flag)
     # Given a scale, mixprec's op writes the scaled gradients back (torch's fused contract);
     # Apex's kernel leaves them as they were: it gets copies then.
-    grads = lists[0] if grad_scale is None else [g.clone() for g in lists[0]]
+    if scale == 0.0:
+        grads = [g * 0.0 for g in lists[0]]
+    else:
+        grads = lists[0] if grad_scale is None else [g.clone() for g in lists[0]]
     with _named(call):
         _ops.sgd_(params, grads, lists[2] if use_momentum else [], lr=float(lr), momentum=float(momentum),
                   dampening=float(dampening), weight_decay=float(wd), nesterov=bool(nesterov),
@@ -296,6 +313,8 @@ def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, eps
     Apex leaves the update term in the grads as scratch; mixprec leaves the grads unchanged."""
     call = "amp_C.multi_tensor_lamb"
     adam_w = _mode(call, "mode", mode)
+    _device_tensor(call, "global_grad_norm", global_grad_norm, "a one-element float32 tensor (the gradients' "
+                   "global L2 norm, e.g. from multi_tensor_l2norm)")
     if not float(max_grad_norm) > 0:
         raise NotImplementedError(f"{call}: max_grad_norm {max_grad_norm!r} <= 0 zeroes every gradient in "
                                   "Apex; mixprec's lamb_ reads it as 'no clipping'. Pass a positive value")
@@ -322,6 +341,9 @@ def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, b
     Never skips; sets noop_flag when a gradient norm is not finite."""
     call = "amp_C.multi_tensor_novograd"
     reg_inside_moment = not _mode(call, "mode", mode)
+    _device_tensor(call, "grad_norms", grad_norms, "a float32 tensor of one second moment per gradient")
+    if grad_norms is None:
+        raise TypeError(f"{call}: invalid grad_norms None; expected a float32 tensor of one second moment per gradient")
     if norm_type not in (0, 2):
         raise ValueError(f"{call}: invalid norm_type {norm_type!r}; expected 2 (L2) or 0 (max-norm)")
     g, p, m = _check(call, chunk_size, noop_flag, tensor_lists, (3,))

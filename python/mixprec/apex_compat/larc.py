@@ -13,11 +13,15 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Each tensor's L2 norm as one float32 vector, on the tensors' device."""
+    """Each tensor's L2 norm as one vector on the tensors' device: float32, or float64 when some
+    tensor is float64 (Apex's torch.norm keeps a float64 param's norm in float64)."""
     if all(t.dtype in _KERNEL_DTYPES and t.is_contiguous() for t in tensors):
         return _ops.multi_tensor_norm(tensors, 2.0, per_tensor=True)[1]
-    # float64 (or strided) tensors: torch's norms, still on the device.
-    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
+    # float64 (or strided) tensors: torch's norms, still on the device. vector_norm refuses to
+    # narrow a float64 input to a float32 result, so each is taken at least in float32.
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).to(dtype)
+                        for t in tensors])
 
 
 class LARC:
@@ -100,11 +104,12 @@ class LARC:
                                  "expected a number > 0")
 
     @torch.no_grad()
-    def _rescale(self, group, weight_decay: float) -> None:
+    def _rescale(self, group, weight_decay: float, saved: list) -> None:
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
         grads = [p.grad for p in params]
+        saved.extend((g, g.clone()) for g in grads)  # bit for bit (NaN payloads, -0.0): no arithmetic
         p_norm, g_norm = _norms(params), _norms(grads)
         adaptive = self.trust_coefficient * p_norm / (g_norm + p_norm * weight_decay + self.eps)
         if self.clip:
@@ -118,16 +123,23 @@ class LARC:
             g.mul_(factor[i].to(g.dtype))
 
     def step(self, closure=None):
-        """Rescales every gradient (see the class docstring), then runs the inner step."""
+        """Rescales every gradient (see the class docstring), then runs the inner step. A step the
+        inner optimizer refuses leaves the gradients as they were (a retry would otherwise rescale
+        them twice): they are copied before the rescale, which costs one copy of them per step."""
         self._check_groups()
-        weight_decays = []
-        for group in self.optim.param_groups:
-            weight_decay = float(group.get("weight_decay", 0))
-            weight_decays.append(group.get("weight_decay", 0) if "weight_decay" in group else None)
-            self._rescale(group, weight_decay)
-            group["weight_decay"] = 0
+        weight_decays, saved = [], []
         try:
+            for group in self.optim.param_groups:
+                weight_decay = float(group.get("weight_decay", 0))
+                weight_decays.append(group.get("weight_decay", 0) if "weight_decay" in group else None)
+                self._rescale(group, weight_decay, saved)
+                group["weight_decay"] = 0
             return self.optim.step(closure) if closure is not None else self.optim.step()
+        except BaseException:
+            with torch.no_grad():
+                for grad, before in saved:
+                    grad.copy_(before)
+            raise
         finally:
             for group, wd in zip(self.optim.param_groups, weight_decays):
                 if wd is None:

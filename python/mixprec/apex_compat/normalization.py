@@ -47,6 +47,10 @@ def _norm(call: str, input, weight, bias, normalized_shape, eps, mixed: bool, rm
     _check_eps(call, eps)
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{call}: input is a {type(input).__name__}; expected a tensor")
+    if not input.is_floating_point():
+        # Promoted to the weight's float dtype, then cast back, an integer input came out as
+        # truncated (mostly zero) integers; Apex's kernels refuse it.
+        raise TypeError(f"{call}: input has dtype {input.dtype}; expected a floating-point tensor")
     if mixed and weight is None:
         raise ValueError(f"{call}: weight is None; the mixed-dtype forms need a weight")
     input, weight, bias = _autocast_cast([input, weight, bias])

@@ -37,8 +37,17 @@ class GroupOption:
         return opt.defaults[self.key]
 
     def __set__(self, opt: Any, value: Any) -> None:
-        opt._check_group({self.key: value}, f"setting {self.key}")  # refused: nothing changes
-        opt.defaults[self.key] = value
+        # Refused, naming the group, where the value breaks a rule with the group's other options
+        # (master_weights=True beside rounding='stochastic') or its params' dtypes ('remainder'
+        # on float16 params): accepted, every later step would refuse it. Nothing changes then.
+        name, key = type(opt).__name__, self.key
+        opt._check_group({key: value}, f"setting {key}")
+        rules = tuple(r for r in opt._all_group_rules() if key in r.keys)
+        for i, group in enumerate(opt.param_groups):
+            changed = dict(group, **{key: value})
+            check_group(name, {}, rules, changed, f"setting {key}: param group {i}")
+            _lean.check_params(name, changed, group["params"], f"setting {key}: param group {i}")
+        opt.defaults[key] = value
         for group in opt.param_groups:
             group[self.key] = value
 
@@ -220,6 +229,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         # also takes back the state this step created, so a refused step changes nothing.
         fresh: list[torch.Tensor] = []
         made: list[dict] = []  # masters made for params that had state but none (see _master_sync)
+        followed: list[tuple[dict, dict]] = []  # (state, as it was) changed by _follow_options
         groups_before = [dict(group) for group, _, _ in plan]
         calls, stepped = [], []
         recorder = _held.Recorder()
@@ -235,6 +245,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                             self._init_param_state(p, group)
                 if group["master_weights"]:
                     made += _master_sync.make_missing(group, params, state_dicts)
+                followed += self._follow_options(group, params, state_dicts)
                 lists.add(params, state_dicts)
                 stepped.append((group, params, state_dicts))
                 calls.append((group, params, step_scalars(self, group, device, grad_scale, found_inf)))
@@ -246,6 +257,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                     recorder.start_group()
                     self._step_group(group, params, **scalars)  # its op checks before it writes
         except BaseException:
+            for state, saved in reversed(followed):  # before undo_made: `saved` may hold a master made here
+                state.clear()
+                state.update(saved)
             _master_sync.undo_made(made)
             for p in fresh:
                 self.state.pop(p, None)
@@ -272,6 +286,12 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
         raise NotImplementedError
+
+    def _follow_options(self, group: dict, params: list, state_dicts: list) -> list[tuple[dict, dict]]:
+        """Before a fully checked step: gives existing state the form the group's options now ask
+        for (options changed in param_groups between steps); returns (state, a shallow copy of it
+        from before) for each state changed, which a refused step puts back."""
+        return []
 
     # The op's optional tensors a family makes anew each step (FusedLAMB's global gradient norm):
     # a held step takes them from _held_extras(group, device), in this order.
@@ -357,6 +377,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             new_group["params"] = group["params"]
             for key in self._group_attributes + _lean.LATER_OPTIONS:  # checkpoints from before: keep ours
                 new_group.setdefault(key, group[key])
+            # The loaded options must suit these params (a bf16 run's rounding='stochastic' loaded
+            # beside float16 params): else every step would refuse them, after the load changed all.
+            _lean.check_params(f"{name}.load_state_dict", new_group, group["params"], f"param group {gi}")
             step = new_group.get("step")
             if step is not None:
                 step = step_count(step, f"{name}.load_state_dict: param group {gi} 'step'")

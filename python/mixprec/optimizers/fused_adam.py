@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import attrgetter, contains, is_
+
 import torch
 
 from .. import _ops
 from . import _quant8
 from ._base import FusedOptimizer, GroupOption
 from ._rules import BETAS, FLAG, LR, MOMENT, NON_NEGATIVE, SQUARES, STATE_DTYPE, GroupRule, pair
+from ._step_cache import gather
 
 # state_dtype=torch.int8: 8-bit block-quantized moments (exp_avg as int8 codes, sqrt(exp_avg_sq)
 # as uint8 codes, a float32 scale per 256 elements; docs/optimizers.md). torch.int8 names the mode
@@ -17,9 +21,16 @@ NO_8BIT_AMSGRAD = GroupRule(("amsgrad", "state_dtype"), lambda amsgrad, dtype: n
                             "amsgrad=False with state_dtype=torch.int8 (8-bit moments keep no amsgrad maximum)")
 
 
+# The moments' dtypes a state_dtype makes (exp_avg's: int8 codes for torch.int8). Moments of any
+# other dtype were not made by this optimizer: nothing converts them and the op refuses them by name.
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_DTYPE = attrgetter("dtype")
+
+
 def convert_moments(state: dict, p: torch.Tensor, dtype: torch.dtype) -> None:
-    """A param's moments into `dtype` in place (quantized for torch.int8, dequantized from it):
-    what loading into a group, or setting its state_dtype, does to 8-bit moments."""
+    """A param's moments into `dtype` in place (quantized for torch.int8, dequantized from it,
+    rounded or widened between float32 and bfloat16): what loading into a group, setting its
+    state_dtype or a step after it changed in param_groups does to its moments."""
     if "exp_avg" not in state:
         return
     if dtype is torch.int8:
@@ -30,11 +41,18 @@ def convert_moments(state: dict, p: torch.Tensor, dtype: torch.dtype) -> None:
         for key in _quant8.SCALE_KEYS:
             del state[key]
         state["exp_avg"], state["exp_avg_sq"] = m.to(dtype), v.to(dtype)
+    else:
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            t = state.get(key)
+            if isinstance(t, torch.Tensor) and t.dtype != dtype and t.dtype in _MOMENT_DTYPES:
+                state[key] = t.to(dtype)
 
 
 class _AdamStateDtype(GroupOption):
-    """``optimizer.state_dtype = ...``: as GroupOption, and moments already made move into or out
-    of the 8-bit form at once (float32 and bfloat16 moments stay as they are until a reload, as before)."""
+    """``optimizer.state_dtype = ...``: as GroupOption, and moments already made take the new
+    dtype at once (quantized into or out of the 8-bit form, or cast between float32 and bfloat16):
+    left as they were, the group would say one dtype while its moments had another, and a
+    checkpoint's resume (which loads them in the group's dtype) would train differently."""
 
     def __set__(self, opt, value):
         for i, group in enumerate(opt.param_groups):  # rules across options (amsgrad) see each group's
@@ -109,9 +127,6 @@ class FusedAdam(FusedOptimizer):
         if group["state_dtype"] is torch.int8:
             scales = dict(exp_avg_scales=self._states(params, "exp_avg_scale"),
                           exp_avg_sq_scales=self._states(params, "exp_avg_sq_scale"))
-        if group["amsgrad"]:
-            for p in params:  # a group switched to amsgrad after its first step
-                self.state[p].setdefault("max_exp_avg_sq", self.state[p]["exp_avg_sq"].clone())
         _ops.adam_(
             params, [p.grad for p in params], self._states(params, "exp_avg"), self._states(params, "exp_avg_sq"),
             lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
@@ -120,6 +135,31 @@ class FusedAdam(FusedOptimizer):
             **self._weight_args(params, group), step_tensor=step_tensor, lr_tensor=lr_tensor,
             grad_scale=grad_scale, found_inf=found_inf, validate_only=validate_only, **scales,
         )
+
+    def _follow_options(self, group, params, state_dicts):
+        # state_dtype or amsgrad set in param_groups after the moments were made: the moments take
+        # the group's dtype and an amsgrad group gets its maximum (the moments so far), as when
+        # the option is set through optimizer.state_dtype. Without this an int8 switch failed with
+        # KeyError 'exp_avg_scale' and a float32 <-> bfloat16 one kept the old dtype silently.
+        want, amsgrad = group["state_dtype"], group["amsgrad"]
+        try:
+            avgs = gather(state_dicts, "exp_avg")
+        except KeyError:  # a state this optimizer did not make: the step's lookup names the key
+            return []
+        if all(map(is_, map(_DTYPE, avgs), repeat(want))) and (
+                not amsgrad or all(map(contains, state_dicts, repeat("max_exp_avg_sq")))):
+            return []  # the common case: one C-level pass
+        changed = []
+        for p, state in zip(params, state_dicts):
+            before = dict(state)
+            m = state["exp_avg"]
+            if isinstance(m, torch.Tensor) and m.dtype is not want and m.dtype in _MOMENT_DTYPES:
+                convert_moments(state, p, want)
+            if amsgrad and "max_exp_avg_sq" not in state and isinstance(state.get("exp_avg_sq"), torch.Tensor):
+                state["max_exp_avg_sq"] = state["exp_avg_sq"].clone()  # max(v so far) starts at v
+            if len(state) != len(before) or any(state.get(k) is not v for k, v in before.items()):
+                changed.append((state, before))
+        return changed
 
     def load_state_dict(self, state_dict):
         # Checkpoints from before state_dtype was a group option: a group's is the dtype its saved
