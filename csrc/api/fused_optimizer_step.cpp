@@ -79,6 +79,10 @@ struct FusedOptimizer::StepPlans {
     // master_weights off, yet a param with a grad holds a master: its step moves the param alone,
     // so the master goes after it (end of step()).
     bool stale_masters = false;
+    // The group's op took these lists (and every grad since) at lr `op_lr`: while they hold, its
+    // check twin would pass them again (what it reads, the keys above hold), so step() skips it.
+    bool op_took = false;
+    double op_lr = 0;
   };
   std::vector<Group> groups;
   // What this step's rebuilt lists made (state objects, and tensors of existing states: masters
@@ -183,6 +187,7 @@ bool FusedOptimizer::plan_holds(size_t index, const FusedOptions& options) {
     if (!e.grad.matches(g)) {  // a new grad each step after zero_grad(set_to_none): its checks only
       check_grad(index, k, p);
       e.grad = TensorKey(g);
+      plan.op_took = false;  // and the op's (a grad may share memory with what the op writes)
     }
     plan.lists.grads.push_back(g);
     ++k;
@@ -291,10 +296,11 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
   }
 
   // Until the first op returns nothing is written: every group but the first is validated by its
-  // op's check twin (step_group with validate_only, the same calls its step makes), and the first
-  // group's op checks all before it writes. A refusal up to there takes back what this step made
-  // (state objects, masters, step counts and other group tensors made or moved), so it changes
-  // nothing, whichever group is refused and whether its front or only its op refuses it.
+  // op's check twin (step_group with validate_only, the same calls its step makes; not while its
+  // lists, grads and lr are those its op last took), and the first group's op checks all before
+  // it writes. A refusal up to there takes back what this step made (state objects, masters,
+  // step counts and other group tensors made or moved), so it changes nothing, whichever group
+  // is refused and whether its front or only its op refuses it.
   plans_->made_states.clear();
   plans_->made_tensors.clear();
   struct Held {  // a group tensor before this step: step counts, NovoGrad's norms
@@ -327,7 +333,12 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     ~EndStep() { self->end_step(); }
   } end_step_guard{this};
   c10::SmallVector<StepArgs, 4> args(param_groups_.size());
-  size_t first = param_groups_.size();  // the first group with grads: stepped before the others
+  size_t first = param_groups_.size();    // the first group with grads: stepped before the others
+  const auto run_group = [&](size_t i) {  // its op: it checks before it writes
+    step_group(i, plans[i].lists, *options[i], args[i]);
+    plans[i].op_took = true;
+    plans[i].op_lr = args[i].lr;
+  };
   try {
     for (auto& r : rebuild) build_plan(r.first, *options[r.first], std::move(r.second));
     begin_step();
@@ -345,17 +356,18 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
         first = i;
         continue;
       }
+      if (plans[i].op_took && plans[i].op_lr == a.lr) continue;
       StepArgs check = a;
       check.validate_only = true;
       step_group(i, l, *options[i], check);
     }
-    if (first < param_groups_.size()) step_group(first, plans[first].lists, *options[first], args[first]);
+    if (first < param_groups_.size()) run_group(first);
   } catch (...) {
     take_back();
     throw;
   }
   for (size_t i = first + 1; i < param_groups_.size(); ++i)
-    if (!plans[i].lists.params.empty()) step_group(i, plans[i].lists, *options[i], args[i]);
+    if (!plans[i].lists.params.empty()) run_group(i);
   // A group stepped without masters moved its params alone: their masters are stale, and kept
   // they would bring the old weights back once master_weights is on again. Dropped, the next
   // master step makes them anew from the params (ensure_state); the lists held them, so rebuilt.

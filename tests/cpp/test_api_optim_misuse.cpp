@@ -169,6 +169,20 @@ TEST_P(ApiOptimMisuse, AStepOnlyAnOpRefusesChangesNoGroup) {
   });
 }
 
+TEST_P(ApiOptimMisuse, AGradChangedAfterStepsOnTheSameGradsIsCheckedByTheOp) {
+  // Steps on unchanged lists and grads skip the check twin (their op took the same tensors); a grad
+  // replaced since, here by its param's own memory, must bring it back before group 0 steps.
+  for_each_family([&](const Family& f) {
+    TwoGroups s(f, device());
+    s.opt->step();
+    s.opt->step();  // the same grad tensors (zero_grad(set_to_none=false) keeps them)
+    s.g1[1].mutable_grad() = s.g1[1].detach();
+    const auto before = clone_all(all_state(*s.opt));
+    expect_c10_error([&] { s.opt->step(); }, {std::string(f.op) + ": params[1] shares memory with grads[1]"});
+    expect_unchanged(all_state(*s.opt), before, "state");
+  });
+}
+
 TEST_P(ApiOptimMisuse, SGDStepsALateBufferOnlyOnceTheRestIsChecked) {
   // With dampening, a param's first gradient after its group's first step gets an op call of its
   // own (step 1) before the call for the rest; a rest the op refuses must be refused before it.
