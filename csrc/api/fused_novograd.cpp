@@ -50,8 +50,11 @@ void FusedNovoGrad::step_group(size_t index, const GroupLists& l, const FusedOpt
   const std::vector<at::Tensor>& params = l.params;
   const auto& group_params = param_groups()[index].params();
   const at::Device device = params[0].device();
-  at::Tensor& norms = group_tensor(index, "exp_avg_sq");
+  // The group's norms, made or moved here and kept once the op has taken them (a check keeps
+  // nothing, group tensors included).
+  at::Tensor norms = group_tensor_or_none(index, "exp_avg_sq");
   const int64_t n = static_cast<int64_t>(group_params.size());
+  const bool made = !norms.defined() || norms.device() != device;
   if (!norms.defined()) {
     norms = at::zeros({n}, at::TensorOptions().dtype(at::kFloat).device(device));
   } else if (norms.device() != device) {
@@ -82,7 +85,9 @@ void FusedNovoGrad::step_group(size_t index, const GroupLists& l, const FusedOpt
   NovoGradArgs a = o.args();
   a.norm_type = o.op_norm_type();
   mixprec::novograd_(params, l.grads, l.slot("exp_avg"), moments, l.masters, a, args);
+  if (args.validate_only) return;
   if (idx.defined()) norms.index_copy_(0, idx, moments);
+  if (made) group_tensor(index, "exp_avg_sq") = norms;
 }
 
 at::Tensor FusedNovoGrad::checked_group_tensor(const std::string& where, const std::string& key,

@@ -108,12 +108,14 @@ void FusedOptimizer::sync_group_slots() const {
   if (group_tensors_.size() < param_groups_.size()) group_tensors_.resize(param_groups_.size());
 }
 
-at::Tensor FusedOptimizer::step_count_tensor(size_t group) const {
+at::Tensor FusedOptimizer::group_tensor_or_none(size_t group, const std::string& key) const {
   sync_group_slots();
   MIXPREC_CHECK_INDEX(group < group_tensors_.size(), name_, ": no param group ", detail::num(group));
-  const auto it = group_tensors_[group].find("step");
+  const auto it = group_tensors_[group].find(key);
   return it == group_tensors_[group].end() ? at::Tensor() : it->second;
 }
+
+at::Tensor FusedOptimizer::step_count_tensor(size_t group) const { return group_tensor_or_none(group, "step"); }
 
 int64_t FusedOptimizer::step_count(size_t group) const {
   const at::Tensor t = step_count_tensor(group);

@@ -79,6 +79,10 @@ struct FusedOptimizer::StepPlans {
     // master_weights off, yet a param with a grad holds a master: its step moves the param alone,
     // so the master goes after it (end of step()).
     bool stale_masters = false;
+    // The group's op took these lists (and every grad since) at lr `op_lr`: while they hold, its
+    // check twin would pass them again (what it reads, the keys above hold), so step() skips it.
+    bool op_took = false;
+    double op_lr = 0;
   };
   std::vector<Group> groups;
   // What this step's rebuilt lists made (state objects, and tensors of existing states: masters
@@ -118,9 +122,10 @@ void FusedOptimizer::check_grad(size_t index, size_t j, const at::Tensor& p) con
 
 void FusedOptimizer::check_step_inputs(size_t index, const std::vector<at::Tensor>& params,
                                        const FusedOptions& options) const {
-  // What the op itself would refuse, checked for every group before the first op runs: the op's
-  // own checks come one group at a time, after earlier groups have stepped. Messages are built
-  // only on failure.
+  // What the op would refuse, checked for every group before any state is made, in the front's
+  // words (the group and the param's place in it); what only the op checks (memory shared between
+  // its tensors) its check twin refuses in step(), still before any group steps. Messages are
+  // built only on failure.
   const auto op_dtype = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
   for (size_t j = 0; j < params.size(); ++j) {
     const at::Tensor& p = params[j];
@@ -182,6 +187,7 @@ bool FusedOptimizer::plan_holds(size_t index, const FusedOptions& options) {
     if (!e.grad.matches(g)) {  // a new grad each step after zero_grad(set_to_none): its checks only
       check_grad(index, k, p);
       e.grad = TensorKey(g);
+      plan.op_took = false;  // and the op's (a grad may share memory with what the op writes)
     }
     plan.lists.grads.push_back(g);
     ++k;
@@ -289,60 +295,79 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
     rebuild.emplace_back(i, std::move(with_grads));
   }
 
-  // Until the first op returns nothing is written: a refusal up to there takes back what this
-  // step made (state, masters, the first group's step count and group tensors), so it changes
-  // nothing. Later groups were checked by check_step_inputs; what only their op checks (memory
-  // shared between its tensors) refuses after earlier groups wrote, and nothing is taken back.
+  // Until the first op returns nothing is written: every group but the first is validated by its
+  // op's check twin (step_group with validate_only, the same calls its step makes; not while its
+  // lists, grads and lr are those its op last took), and the first group's op checks all before
+  // it writes. A refusal up to there takes back what this step made (state objects, masters,
+  // step counts and other group tensors made or moved), so it changes nothing, whichever group
+  // is refused and whether its front or only its op refuses it.
   plans_->made_states.clear();
   plans_->made_tensors.clear();
-  size_t first = param_groups_.size();
-  c10::SmallVector<const std::string*, 4> first_had;  // the first group's tensors before its step
+  struct Held {  // a group tensor before this step: step counts, NovoGrad's norms
+    size_t group;
+    const std::string* key;
+    at::Tensor value;
+  };
+  c10::SmallVector<Held, 8> held;
+  for (size_t i = 0; i < group_tensors_.size(); ++i)
+    for (const auto& kv : group_tensors_[i]) held.push_back({i, &kv.first, kv.second});
   const auto take_back = [&] {
     for (at::Tensor* t : plans_->made_tensors) *t = at::Tensor();
     for (void* impl : plans_->made_states) state_.erase(impl);
-    if (first < group_tensors_.size()) {
-      auto& tensors = group_tensors_[first];
+    for (size_t i = 0; i < group_tensors_.size(); ++i) {
+      auto& tensors = group_tensors_[i];
       for (auto it = tensors.begin(); it != tensors.end();) {
-        const bool had = std::find(first_had.begin(), first_had.end(), &it->first) != first_had.end();
-        it = had ? std::next(it) : tensors.erase(it);
+        const auto h =
+            std::find_if(held.begin(), held.end(), [&](const Held& x) { return x.group == i && x.key == &it->first; });
+        if (h == held.end()) {
+          it = tensors.erase(it);
+        } else {
+          (it++)->second = h->value;
+        }
       }
     }
     for (auto& plan : plans) plan.built = false;  // they point into what was taken back
   };
-  try {
-    for (auto& r : rebuild) build_plan(r.first, *options[r.first], std::move(r.second));
-    begin_step();
-  } catch (...) {
-    take_back();
-    throw;
-  }
   struct EndStep {
     FusedOptimizer* self;
     ~EndStep() { self->end_step(); }
   } end_step_guard{this};
-  for (size_t i = 0; i < param_groups_.size(); ++i) {
-    const GroupLists& l = plans[i].lists;
-    if (l.params.empty()) continue;
-    const bool checked_by_its_op = first == param_groups_.size();
-    if (checked_by_its_op) {
-      first = i;
-      for (const auto& kv : group_tensors_[i])
-        if (kv.second.defined()) first_had.push_back(&kv.first);
-    }
-    try {
+  c10::SmallVector<StepArgs, 4> args(param_groups_.size());
+  size_t first = param_groups_.size();    // the first group with grads: stepped before the others
+  const auto run_group = [&](size_t i) {  // its op: it checks before it writes
+    step_group(i, plans[i].lists, *options[i], args[i]);
+    plans[i].op_took = true;
+    plans[i].op_lr = args[i].lr;
+  };
+  try {
+    for (auto& r : rebuild) build_plan(r.first, *options[r.first], std::move(r.second));
+    begin_step();
+    for (size_t i = 0; i < param_groups_.size(); ++i) {
+      const GroupLists& l = plans[i].lists;
+      if (l.params.empty()) continue;
       const at::Device device = l.params[0].device();
-      StepArgs args;
-      args.lr = options[i]->get_lr();
-      args.step_tensor = step_tensor_for(i, device);
+      StepArgs& a = args[i];
+      a.lr = options[i]->get_lr();
+      a.step_tensor = step_tensor_for(i, device);
       const GradScaling s = scaling_on(device);
-      args.grad_scale = s.grad_scale;
-      args.found_inf = s.found_inf;
-      step_group(i, l, *options[i], args);
-    } catch (...) {
-      if (checked_by_its_op) take_back();
-      throw;
+      a.grad_scale = s.grad_scale;
+      a.found_inf = s.found_inf;
+      if (first == param_groups_.size()) {
+        first = i;
+        continue;
+      }
+      if (plans[i].op_took && plans[i].op_lr == a.lr) continue;
+      StepArgs check = a;
+      check.validate_only = true;
+      step_group(i, l, *options[i], check);
     }
+    if (first < param_groups_.size()) run_group(first);
+  } catch (...) {
+    take_back();
+    throw;
   }
+  for (size_t i = first + 1; i < param_groups_.size(); ++i)
+    if (!plans[i].lists.params.empty()) run_group(i);
   // A group stepped without masters moved its params alone: their masters are stale, and kept
   // they would bring the old weights back once master_weights is on again. Dropped, the next
   // master step makes them anew from the params (ensure_state); the lists held them, so rebuilt.

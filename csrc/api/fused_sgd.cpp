@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
-#include <unordered_set>
 
 #include "api/fused_options_impl.h"
 
@@ -56,52 +55,79 @@ void FusedSGD::init_param_state(const at::Tensor&, const FusedOptions&, FusedPar
 
 void FusedSGD::step_group(size_t, const GroupLists& l, const FusedOptions& options, const StepArgs& args) {
   const auto& o = options_as(options);
-  const std::vector<at::Tensor>& params = l.params;
   const bool momentum = o.momentum() != 0;
-  std::unordered_set<const void*> fresh;
-  if (momentum) {
-    // The lists hold the state's buffers as they are (a replaced one means rebuilt lists).
-    const auto& buffers = l.slot("momentum_buffer");
-    for (size_t k = 0; k < params.size(); ++k) {
-      if (buffers[k].defined()) continue;
-      state_as<FusedSGDParamState>(params[k]).momentum_buffer(state_zeros(params[k], momentum_dtype(params[k], o)));
-      fresh.insert(params[k].unsafeGetTensorImpl());
-    }
-  }
   const SgdArgs a = o.args();
-  const auto run = [&](const std::vector<at::Tensor>& ps, const StepArgs& s) {
-    mixprec::sgd_(ps, grads_of(ps),
-                  momentum ? gather(ps, [](auto& st) { return st.momentum_buffer(); }) : std::vector<at::Tensor>{},
-                  masters(ps, options), a, s);
+  // The lists hold the state's buffers as they are (a replaced one means rebuilt lists).
+  std::vector<size_t> fresh;  // positions whose param has no buffer yet
+  if (momentum) {
+    const auto& buffers = l.slot("momentum_buffer");
+    for (size_t k = 0; k < buffers.size(); ++k)
+      if (!buffers[k].defined()) fresh.push_back(k);
+  }
+  if (fresh.empty()) {  // every buffer existed when the lists were built
+    mixprec::sgd_(l.params, l.grads, momentum ? at::TensorList(l.slot("momentum_buffer")) : at::TensorList(), l.masters,
+                  a, args);
+    return;
+  }
+  // New buffers: zeros made here and given to the state only once the op has taken them (a check
+  // keeps none: the step must see them as new). The next step rebuilds the lists.
+  std::vector<at::Tensor> buffers = l.slot("momentum_buffer");
+  for (size_t k : fresh) buffers[k] = state_zeros(l.params[k], momentum_dtype(l.params[k], o));
+  // The op over the entries at `positions` (all of them when null).
+  const auto run = [&](const std::vector<size_t>* positions, const StepArgs& s) {
+    if (positions == nullptr) {
+      mixprec::sgd_(l.params, l.grads, buffers, l.masters, a, s);
+      return;
+    }
+    std::vector<at::Tensor> ps, gs, bs, ms;
+    for (size_t k : *positions) {
+      ps.push_back(l.params[k]);
+      gs.push_back(l.grads[k]);
+      bs.push_back(buffers[k]);
+      if (!l.masters.empty()) ms.push_back(l.masters[k]);
+    }
+    mixprec::sgd_(ps, gs, bs, ms, a, s);
   };
   // torch::optim::SGD starts a new buffer at the gradient; the op does so on the group's first
   // step. With dampening 0 a zero buffer gives the gradient anyway (momentum * 0 + g), but
   // otherwise buffers new to a group past its first step need a step of their own: a host step
   // of 1, skipped with found_inf like the rest, so no host sync either way.
-  if (fresh.empty()) {  // every buffer existed when the lists were built
-    mixprec::sgd_(params, l.grads, momentum ? at::TensorList(l.slot("momentum_buffer")) : at::TensorList(), l.masters,
-                  a, args);
-    return;
-  }
-  // New buffers (made above, after the lists were built: the next step rebuilds them).
   if (o.dampening() == 0) {
-    run(params, args);
-    return;
-  }
-  std::vector<at::Tensor> fresh_params, rest;
-  for (const auto& p : params) (fresh.count(p.unsafeGetTensorImpl()) ? fresh_params : rest).push_back(p);
-  StepArgs first = args;
-  first.step_tensor = std::nullopt;
-  first.step = 1;
-  run(fresh_params, first);
-  if (!rest.empty()) {
-    run(rest, args);
-  } else if (args.found_inf) {
-    // The op counts steps on the device; with no call taking the step tensor, count here.
-    args.step_tensor->add_(args.found_inf->eq(0).to(at::kFloat));
+    run(nullptr, args);
   } else {
-    args.step_tensor->add_(1.0);
+    std::vector<size_t> rest;
+    for (size_t k = 0, f = 0; k < l.params.size(); ++k) {
+      if (f < fresh.size() && fresh[f] == k) {
+        ++f;
+      } else {
+        rest.push_back(k);
+      }
+    }
+    StepArgs first = args;
+    first.step_tensor = std::nullopt;
+    first.step = 1;
+    // Two calls: the second is checked before the first writes (step() checked both already for
+    // every group but its first; this path is rare: buffers new past a group's first step).
+    if (!args.validate_only && !rest.empty()) {
+      StepArgs check_first = first, check_rest = args;
+      check_first.validate_only = check_rest.validate_only = true;
+      run(&fresh, check_first);
+      run(&rest, check_rest);
+    }
+    run(&fresh, first);
+    if (!rest.empty()) {
+      run(&rest, args);
+    } else if (!args.validate_only) {
+      // The op counts steps on the device; with no call taking the step tensor, count here.
+      if (args.found_inf) {
+        args.step_tensor->add_(args.found_inf->eq(0).to(at::kFloat));
+      } else {
+        args.step_tensor->add_(1.0);
+      }
+    }
   }
+  if (args.validate_only) return;
+  for (size_t k : fresh) state_as<FusedSGDParamState>(l.params[k]).momentum_buffer(buffers[k]);
 }
 
 }  // namespace mixprec::optim

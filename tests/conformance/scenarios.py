@@ -94,7 +94,9 @@ class Row:
     error: bool = False
     boundary: bool = False
     construct_error: bool = False  # group 1 refused at construction instead
-    bad_grad: bool = False  # at BAD_STEP group 1's (4, 4) param has a transposed (non-contiguous) grad
+    # At BAD_STEP group 1's (4, 4) param gets a bad grad: "layout", its grad transposed (non-contiguous),
+    # refused by both fronts' checks; "alias", the param itself, which only the op's overlap check refuses.
+    bad_grad: str = ""
     # Why the fronts are expected to differ here (an xfail, strict): None when they must agree.
     expected_difference: Optional[str] = None
     # master_weights set between steps: (step, group, on), before that step's grads; group -1 is the
@@ -109,7 +111,11 @@ def table() -> list[Row]:
             for r in pairwise(FACTORS)]
     rows += [Row(name=f"{f}-construct-error", family=f, construct_error=True) for f in FAMILIES]
     # Both fronts check every group's tensors before any group steps (Python: the ops' check twins).
-    rows += [Row(name=f"{f}-bad-grad-layout-in-group-1", family=f, dtype="float16", masters="all", bad_grad=True)
+    rows += [Row(name=f"{f}-bad-grad-layout-in-group-1", family=f, dtype="float16", masters="all", bad_grad="layout")
+             for f in FAMILIES]
+    # What only the op refuses (a grad that is its param) is refused before group 0 steps, in both
+    # fronts (the op's check twin for every group but the first).
+    rows += [Row(name=f"{f}-grad-is-its-param-in-group-1", family=f, dtype="float16", masters="all", bad_grad="alias")
              for f in FAMILIES]
     # A group naming master_weights=False under a constructor's True keeps it in both fronts (C++
     # options remember what a group named, even a value equal to the class's default).
@@ -173,7 +179,7 @@ def make_inputs(row: Row, gen: torch.Generator) -> dict:
         scaler=dict(SCALER) if row.scaler else None,
         checkpoint_after=CHECKPOINT_AFTER if row.checkpoint else -1,
         bad=(dict(kind="option", group=1, key=fam.bad[0], value=fam.bad[1], step=BAD_STEP) if row.error else
-             dict(kind="grad_layout", group=1, param=0, step=BAD_STEP) if row.bad_grad else None),
+             dict(kind=f"grad_{row.bad_grad}", group=1, param=0, step=BAD_STEP) if row.bad_grad else None),
         construct_error=row.construct_error,
         switches=[dict(step=st, group=g, on=on) for st, g, on in row.switches],
     )
@@ -246,7 +252,8 @@ def run_python(sc: dict) -> dict:
                 group[bad["key"]] = bad["value"]
             else:
                 p = group["params"][bad["param"]]
-                kept, p.grad = p.grad, p.grad.t().contiguous().t()  # the same values, transposed layout
+                # grad_layout: the same values, transposed layout; grad_alias: the param's own memory
+                kept, p.grad = p.grad, p.detach() if bad["kind"] == "grad_alias" else p.grad.t().contiguous().t()
             try:
                 _step(opt, scaler)
             except Exception as e:  # noqa: BLE001

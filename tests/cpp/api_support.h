@@ -39,12 +39,16 @@ inline void set_grads(const std::vector<at::Tensor>& ps, const std::vector<at::T
   for (size_t i = 0; i < ps.size(); ++i) ps[i].mutable_grad() = gs[i].clone();
 }
 
-// Every param, grad, state tensor (masters included) and step count of `opt`, in order.
+// Every param, grad, state tensor (masters included), step count and group tensor (NovoGrad's
+// norms) of `opt`, in order.
 inline std::vector<at::Tensor> all_state(mixprec::optim::FusedOptimizer& opt) {
   std::vector<at::Tensor> out;
+  const auto* novograd = dynamic_cast<const mixprec::optim::FusedNovoGrad*>(&opt);
   for (size_t i = 0; i < opt.param_groups().size(); ++i) {
     const at::Tensor step = opt.step_count_tensor(i);
     if (step.defined()) out.push_back(step);
+    const at::Tensor norms = novograd != nullptr ? novograd->exp_avg_sq(i) : at::Tensor();
+    if (norms.defined()) out.push_back(norms);
     for (const auto& p : opt.param_groups()[i].params()) {
       out.push_back(p.detach());
       if (p.grad().defined()) out.push_back(p.grad());

@@ -257,7 +257,8 @@ IValue run(const Dict& sc) {
       const bool option = at_key(b, "kind").toStringRef() == "option";
       std::unique_ptr<OptimizerOptions> kept = group.options().clone();
       const std::vector<at::Tensor> before = snapshot(*opt, params);
-      at::Tensor& grad = params[at_key(b, "group").toInt()][option ? 0 : at_key(b, "param").toInt()].mutable_grad();
+      const at::Tensor& param = params[at_key(b, "group").toInt()][option ? 0 : at_key(b, "param").toInt()];
+      at::Tensor& grad = param.mutable_grad();
       const at::Tensor kept_grad = grad;
       const auto scaler_fields = [&] {
         return scaler ? std::make_tuple(scaler->get_scale(), scaler->growth_tracker(), scaler->skipped_steps())
@@ -266,6 +267,8 @@ IValue run(const Dict& sc) {
       const auto scaler_before = scaler_fields();
       if (option) {
         fam.set(group.options(), at_key(b, "key").toStringRef(), at_key(b, "value"));
+      } else if (at_key(b, "kind").toStringRef() == "grad_alias") {
+        grad = param.detach();  // the param's own memory
       } else {
         grad = grad.t().contiguous().t();  // the same values, transposed layout
       }

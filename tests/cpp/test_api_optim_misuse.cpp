@@ -1,6 +1,7 @@
 // Misuse of the C++ fused optimizers, every family (issue 20): a step refused for any group's
-// options, grads or state changes no group; checkpoints with bad step counts are refused and
-// change nothing; clone() trains bit-identically to its source and independently of it.
+// options, grads or state, or by an op alone (memory shared between its tensors), changes no
+// group; checkpoints with bad step counts are refused and change nothing; clone() trains
+// bit-identically to its source and independently of it.
 #include <gtest/gtest.h>
 #include <mixprec/mixprec.h>
 #include <torch/torch.h>
@@ -24,12 +25,13 @@ struct TwoGroups {
   std::vector<at::Tensor> g0, g1;
   std::unique_ptr<FusedOptimizer> opt;
 
-  TwoGroups(const Family& f, const c10::Device& device, int steps = 1)
+  TwoGroups(const Family& f, const c10::Device& device, int steps = 1, bool masters = true)
       : g0(make_params({{65537}, {7}}, at::kFloat, device)), g1(make_params({{5}, {3, 4}}, at::kHalf, device)) {
     Groups groups;
     groups.emplace_back(g0);
     groups.emplace_back(g1);
     opt = f.make(groups);
+    if (!masters) opt->set_master_weights(false);
     for (int s = 0; s < steps; ++s) step(random_grads(all()));
     set_grads(all(), random_grads(all()));
   }
@@ -104,6 +106,110 @@ TEST_P(ApiOptimMisuse, AStepRefusedForAnyGroupChangesNoGroup) {
       EXPECT_EQ(all_lrs(*s.opt), lrs);
     }
   });
+}
+
+TEST_P(ApiOptimMisuse, AStepOnlyAnOpRefusesChangesNoGroup) {
+  // Memory shared between an op's tensors passes the front's checks; only the op (its overlap
+  // check) refuses it. Before the fix group 0 had stepped when group 1's op threw, and on a first
+  // step kept the state it made (SGD's momentum buffers, NovoGrad's norms).
+  struct Case {
+    const char* what;
+    int steps;  // before the refused step: 0 = it is the first, its state made by it
+    std::function<void(TwoGroups&)> spoil;
+    const char* needle;  // after "mixprec::<op>: "
+  };
+  const std::vector<Case> cases = {
+      {"group 1's grad is its param, first step", 0, [](TwoGroups& s) { s.g1[1].mutable_grad() = s.g1[1].detach(); },
+       "params[1] shares memory with grads[1]"},
+      {"group 1's grad is its param", 2, [](TwoGroups& s) { s.g1[0].mutable_grad() = s.g1[0].detach(); },
+       "params[0] shares memory with grads[0]"},
+      {"two of group 1's state tensors share memory", 2,
+       [](TwoGroups& s) { *s.slot(s.g1[0]) = s.slot(s.g1[1])->view(-1).narrow(0, 2, 5); }, "[1] shares memory with "},
+      {"group 0's grad is its param, first step", 0, [](TwoGroups& s) { s.g0[1].mutable_grad() = s.g0[1].detach(); },
+       "params[1] shares memory with grads[1]"},
+  };
+  for_each_family([&](const Family& f) {
+    for (const bool masters : {true, false}) {
+      for (const Case& c : cases) {
+        SCOPED_TRACE(std::string(c.what) + (masters ? ", masters" : ", no masters"));
+        TwoGroups s(f, device(), c.steps, masters);
+        // A twin of the optimizer as it was, for the step after the refused one.
+        const std::vector<at::Tensor> twin_params = copies(s.all());
+        const std::unique_ptr<FusedOptimizer> twin = s.opt->clone_base(twin_params);
+        const at::Tensor kept = c.steps > 0 ? *s.slot(s.g1[0]) : at::Tensor();  // the state case spoils it
+        c.spoil(s);
+        const auto before = clone_all(all_state(*s.opt));
+        const size_t states = s.opt->state().size();
+        bool value_error = false;
+        expect_c10_error(
+            [&] {
+              try {
+                s.opt->step();
+              } catch (const c10::ValueError&) {
+                value_error = true;
+                throw;
+              }
+            },
+            {std::string(f.op) + ": ", c.needle, "every tensor the op writes needs memory of its own"});
+        EXPECT_TRUE(value_error) << "not a ValueError";
+        expect_unchanged(all_state(*s.opt), before, "state");
+        EXPECT_EQ(s.opt->state().size(), states);
+        // The spoiled state put back, new grads: the next step is the twin's.
+        if (kept.defined()) *s.slot(s.g1[0]) = kept;
+        const auto grads = random_grads(s.all());
+        set_grads(s.all(), grads);
+        set_grads(twin_params, grads);
+        s.opt->step();
+        twin->step();
+        const auto a = all_state(*s.opt), b = all_state(*twin);
+        ASSERT_EQ(a.size(), b.size());
+        for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << "tensor " << i;
+      }
+    }
+  });
+}
+
+TEST_P(ApiOptimMisuse, AGradChangedAfterStepsOnTheSameGradsIsCheckedByTheOp) {
+  // Steps on unchanged lists and grads skip the check twin (their op took the same tensors); a grad
+  // replaced since, here by its param's own memory, must bring it back before group 0 steps.
+  for_each_family([&](const Family& f) {
+    TwoGroups s(f, device());
+    s.opt->step();
+    s.opt->step();  // the same grad tensors (zero_grad(set_to_none=false) keeps them)
+    s.g1[1].mutable_grad() = s.g1[1].detach();
+    const auto before = clone_all(all_state(*s.opt));
+    expect_c10_error([&] { s.opt->step(); }, {std::string(f.op) + ": params[1] shares memory with grads[1]"});
+    expect_unchanged(all_state(*s.opt), before, "state");
+  });
+}
+
+TEST_P(ApiOptimMisuse, SGDStepsALateBufferOnlyOnceTheRestIsChecked) {
+  // With dampening, a param's first gradient after its group's first step gets an op call of its
+  // own (step 1) before the call for the rest; a rest the op refuses must be refused before it.
+  if (!has_kernel("mixprec::sgd_", GetParam())) GTEST_SKIP() << "no sgd_ kernel here";
+  for (const bool two_groups : {false, true}) {
+    for (const bool masters : {true, false}) {
+      SCOPED_TRACE(std::string(two_groups ? "in group 1" : "one group") + (masters ? ", masters" : ""));
+      const auto g0 = make_params({{5}}, at::kFloat, device());
+      const auto ps = make_params({{7}, {3, 4}}, at::kHalf, device());
+      Groups groups;
+      if (two_groups) groups.emplace_back(g0);
+      groups.emplace_back(ps);
+      FusedSGD opt(groups, FusedSGDOptions(0.05).momentum(0.9).dampening(0.5).master_weights(masters));
+      set_grads(g0, random_grads(g0));
+      set_grads(ps, random_grads(ps));
+      ps[0].mutable_grad() = at::Tensor();  // its buffer starts at the next step
+      opt.step();
+      set_grads(g0, random_grads(g0));
+      set_grads(ps, random_grads(ps));
+      ps[1].mutable_grad() = ps[1].detach();  // the rest's call: [ps[1]]
+      const auto before = clone_all(all_state(opt));
+      expect_c10_error([&] { opt.step(); },
+                       {"mixprec::sgd_: params[0] shares memory with grads[0]; every tensor the op writes"});
+      expect_unchanged(all_state(opt), before, "state");
+      EXPECT_EQ(opt.state().count(ps[0].unsafeGetTensorImpl()), 0u) << "the late param's state was kept";
+    }
+  }
 }
 
 TEST_P(ApiOptimMisuse, CheckpointsWithBadStepCountsAreRefusedAndChangeNothing) {

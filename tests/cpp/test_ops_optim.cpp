@@ -112,18 +112,13 @@ TEST(OpsOptim, CheckTwinRefusesWhatTheStepRefuses) {
   m[1] = v[0];  // one tensor as exp_avgs[1] and exp_avg_sqs[0]
   mixprec::StepArgs s;
   s.step = 1;
-  static const c10::OperatorHandle check = mixprec::detail::find_op("mixprec::adam_check");
+  mixprec::StepArgs check = s;
+  check.validate_only = true;  // adam_check
   for (const double beta2 : {0.999, 1.0}) {
     mixprec::AdamArgs a;
     a.beta2 = beta2;
     const auto before = clone_all(params), v_before = clone_all(v);
-    const std::string checked = refusal([&] {
-      const at::TensorList none;  // max_exp_avg_sqs, master_params and the 8-bit moments' two scale lists
-      mixprec::detail::call_optim(
-          check,
-          {at::TensorList(params), at::TensorList(grads), at::TensorList(m), at::TensorList(v), none, none, none, none},
-          a, s);
-    });
+    const std::string checked = refusal([&] { mixprec::adam_(params, grads, m, v, {}, {}, a, check); });
     const std::string stepped = refusal([&] { mixprec::adam_(params, grads, m, v, {}, {}, a, s); });
     EXPECT_EQ(checked, stepped);
     EXPECT_NE(checked.find(beta2 == 1.0 ? "mixprec::adam_: beta2 must be in [0, 1)" : "shares memory with"),

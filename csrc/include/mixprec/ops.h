@@ -204,6 +204,9 @@ struct StepArgs {
   std::optional<at::Tensor> lr_tensor;
   std::optional<at::Tensor> grad_scale;
   std::optional<at::Tensor> found_inf;
+  // Calls the op's validate-only twin <op>_check instead: every check the step makes, nothing
+  // written (Python: validate_only=True), so a caller can check all its groups before any steps.
+  bool validate_only = false;
 };
 
 namespace detail {
@@ -222,15 +225,24 @@ inline c10::OperatorHandle find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-// Calls optimizer op `op` (a family's step or its validate-only twin <op>_check) through the
+// A family's step "mixprec::<family>_" and its validate-only twin "mixprec::<family>_check".
+struct OptimOp {
+  c10::OperatorHandle step, check;
+  explicit OptimOp(const std::string& family)
+      : step(find_op(("mixprec::" + family + "_").c_str())),
+        check(find_op(("mixprec::" + family + "_check").c_str())) {}
+};
+
+// Calls optimizer op `op` (its step, or with s.validate_only its check twin) through the
 // dispatcher, boxed, with its arguments in schema order: the op's tensors, step_tensor, lr, the
 // hyper-parameters, the other step scalars, the op's extra tensors. One body for every family: a
 // new hyper-parameter reaches C++ callers through the Args struct alone.
 template <class Args>
-void call_optim(const c10::OperatorHandle& op, std::initializer_list<c10::IValue> tensors, const Args& a,
-                const StepArgs& s, std::initializer_list<c10::IValue> extras = {}) {
+void call_optim(const OptimOp& op, std::initializer_list<c10::IValue> tensors, const Args& a, const StepArgs& s,
+                std::initializer_list<c10::IValue> extras = {}) {
+  const c10::OperatorHandle& handle = s.validate_only ? op.check : op.step;
   std::vector<c10::IValue> stack(tensors);
-  stack.reserve(op.schema().arguments().size());
+  stack.reserve(handle.schema().arguments().size());
   stack.emplace_back(s.step_tensor);
   stack.emplace_back(s.lr);
   push_args(stack, a);
@@ -239,7 +251,7 @@ void call_optim(const c10::OperatorHandle& op, std::initializer_list<c10::IValue
   stack.emplace_back(s.grad_scale);
   stack.emplace_back(s.found_inf);
   stack.insert(stack.end(), extras.begin(), extras.end());
-  op.callBoxed(&stack);
+  handle.callBoxed(&stack);
 }
 }  // namespace detail
 
@@ -248,7 +260,7 @@ void call_optim(const c10::OperatorHandle& op, std::initializer_list<c10::IValue
 inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                   at::TensorList max_exp_avg_sqs, at::TensorList master_params, const AdamArgs& a, const StepArgs& s,
                   at::TensorList exp_avg_scales = {}, at::TensorList exp_avg_sq_scales = {}) {
-  static const c10::OperatorHandle op = detail::find_op("mixprec::adam_");
+  static const detail::OptimOp op("adam");
   detail::call_optim(
       op, {params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, exp_avg_scales, exp_avg_sq_scales}, a,
       s);
@@ -257,7 +269,7 @@ inline void adam_(at::TensorList params, at::TensorList grads, at::TensorList ex
 // momentum_buffers is empty iff momentum == 0.
 inline void sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                  at::TensorList master_params, const SgdArgs& a, const StepArgs& s) {
-  static const c10::OperatorHandle op = detail::find_op("mixprec::sgd_");
+  static const detail::OptimOp op("sgd");
   detail::call_optim(op, {params, grads, momentum_buffers, master_params}, a, s);
 }
 
@@ -269,14 +281,14 @@ inline void lamb_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   const std::optional<at::Tensor>& global_grad_norm = std::nullopt,
                   const std::optional<at::Tensor>& local_norms = std::nullopt,
                   const std::optional<at::Tensor>& trust_norms = std::nullopt) {
-  static const c10::OperatorHandle op = detail::find_op("mixprec::lamb_");
+  static const detail::OptimOp op("lamb");
   detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sqs, master_params}, a, s,
                      {global_grad_norm, local_norms, trust_norms});
 }
 
 inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                      at::TensorList master_params, const AdagradArgs& a, const StepArgs& s) {
-  static const c10::OperatorHandle op = detail::find_op("mixprec::adagrad_");
+  static const detail::OptimOp op("adagrad");
   detail::call_optim(op, {params, grads, state_sums, master_params}, a, s);
 }
 
@@ -285,7 +297,7 @@ inline void adagrad_(at::TensorList params, at::TensorList grads, at::TensorList
 inline void novograd_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                       const at::Tensor& exp_avg_sq_norms, at::TensorList master_params, const NovoGradArgs& a,
                       const StepArgs& s, const std::optional<at::Tensor>& grad_norms = std::nullopt) {
-  static const c10::OperatorHandle op = detail::find_op("mixprec::novograd_");
+  static const detail::OptimOp op("novograd");
   detail::call_optim(op, {params, grads, exp_avgs, exp_avg_sq_norms, master_params}, a, s, {grad_norms});
 }
 

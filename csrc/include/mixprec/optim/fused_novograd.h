@@ -35,7 +35,7 @@ class MIXPREC_API FusedNovoGrad : public FusedOptimizerOf<FusedNovoGradOptions, 
 
  public:
   // The second moments of group `group` (undefined before its first step).
-  at::Tensor exp_avg_sq(size_t group) { return group_tensor(group, "exp_avg_sq"); }
+  at::Tensor exp_avg_sq(size_t group) const { return group_tensor_or_none(group, "exp_avg_sq"); }
 
  protected:
   at::Tensor checked_group_tensor(const std::string& where, const std::string& key, const at::Tensor& value,

@@ -159,7 +159,10 @@ class MIXPREC_API FusedOptimizer : public torch::optim::Optimizer {
     std::vector<std::vector<at::Tensor>> slots;
     const std::vector<at::Tensor>& slot(const char* key) const;
   };
-  // Runs the op for group `index` over `lists`.
+  // Runs the op for group `index` over `lists`; the one place that builds the op's arguments, so
+  // with args.validate_only it makes the same calls through the ops' check twins and must write
+  // nothing (no state, group tensor or step count): step() runs it so for every group but the
+  // first before any group steps (the first's op checks before it writes).
   virtual void step_group(size_t index, const GroupLists& lists, const FusedOptions& options, const StepArgs& args) = 0;
   // Around the group loop of step(): LAMB computes its global gradient norm here.
   virtual void begin_step() {}
@@ -198,6 +201,8 @@ class MIXPREC_API FusedOptimizer : public torch::optim::Optimizer {
   std::vector<at::Tensor> masters(const std::vector<at::Tensor>& params, const FusedOptions& options);
   // Group tensors beside the step count ("exp_avg_sq" for NovoGrad), created by families.
   at::Tensor& group_tensor(size_t group, const std::string& key);
+  // The same without creating it: undefined when the group has none.
+  at::Tensor group_tensor_or_none(size_t group, const std::string& key) const;
   // Loss scaling as device scalars on `device` (copies made without a host sync).
   GradScaling scaling_on(const at::Device& device) const;
 
