@@ -57,6 +57,15 @@ struct TensorKey {
   }
 };
 
+// A defined master in the form its group does not keep: an int16 remainder in a group of fp32
+// masters, or an fp32 master of a bf16 param in a remainder group (fp16 params have no remainder
+// form; an fp32 master of an fp32 param is its own form).
+bool master_in_other_form(const at::Tensor& p, const at::Tensor& master, const FusedOptions& options) {
+  if (!master.defined() || !options.uses_master_weights()) return false;
+  if (options.uses_master_remainder()) return master.scalar_type() == at::kFloat && p.scalar_type() == at::kBFloat16;
+  return master.scalar_type() == at::kShort;
+}
+
 }  // namespace
 
 // Per group: its lists and the keys of everything they and its checks were built from.
@@ -79,6 +88,10 @@ struct FusedOptimizer::StepPlans {
     // master_weights off, yet a param with a grad holds a master: its step moves the param alone,
     // so the master goes after it (end of step()).
     bool stale_masters = false;
+    // A master in the form the group does not keep (a checkpoint's fp32 master in a remainder
+    // group, or its remainder in an fp32-master group): the op steps either form, and after the
+    // step it takes the group's form (end of step()), as the Python front's settle() does.
+    bool other_form_masters = false;
     // The group's op took these lists (and every grad since) at lr `op_lr`: while they hold, its
     // check twin would pass them again (what it reads, the keys above hold), so step() skips it.
     bool op_took = false;
@@ -225,6 +238,7 @@ void FusedOptimizer::build_plan(size_t index, const FusedOptions& options, std::
   for (const auto& p : with_grads) {
     FusedParamState& s = state_of(p);
     plan.stale_masters = plan.stale_masters || (!options.uses_master_weights() && s.master_param().defined());
+    plan.other_form_masters = plan.other_form_masters || master_in_other_form(p, s.master_param(), options);
     const auto slots = s.slots();
     if (l.keys.empty()) {
       for (const auto& slot : slots) l.keys.push_back(slot.first);
@@ -374,6 +388,27 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
   for (size_t i = 0; i < plans.size(); ++i) {
     if (!plans[i].stale_masters) continue;
     for (const auto& p : plans[i].lists.params) state_of(p).master_param(at::Tensor());
+    plans[i].built = false;
+  }
+  // Masters stepped in the other form take their group's: split into weight and remainder, or
+  // rebuilt into an fp32 master with the weight rounded from it to nearest even (what an
+  // fp32-master step writes; the remainder step wrote it with ties toward zero).
+  for (size_t i = 0; i < plans.size(); ++i) {
+    if (!plans[i].other_form_masters) continue;
+    const FusedOptions& o = *options[i];
+    for (const auto& p : plans[i].lists.params) {
+      FusedParamState& s = state_of(p);
+      if (!master_in_other_form(p, s.master_param(), o)) continue;
+      if (s.master_param().scalar_type() == at::kShort) {
+        const at::Tensor master = detail::master_rebuild(p.detach(), s.master_param());
+        p.detach().copy_(master);
+        s.master_param(master);
+      } else {
+        auto [weight, remainder] = detail::master_split(s.master_param());
+        p.detach().copy_(weight);
+        s.master_param(remainder);
+      }
+    }
     plans[i].built = false;
   }
   return loss;

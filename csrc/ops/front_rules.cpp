@@ -37,6 +37,43 @@ void check_master_remainder(at::TensorList params, const std::string& owner, con
   }
 }
 
+namespace {
+
+// The low 16 bits of int64 values as int16 (two's complement: 0x8000..0xFFFF are negative).
+at::Tensor low_half(const at::Tensor& x) {
+  const at::Tensor b = x.bitwise_and(0xFFFF);
+  return at::where(b.ge(0x8000), b - 0x10000, b).to(at::kShort);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> master_split(const at::Tensor& master) {
+  MIXPREC_CHECK_TYPE(master.defined() && master.scalar_type() == at::kFloat,
+                     "mixprec::master_split: master must be a float32 tensor, got ",
+                     master.defined() ? python_dtype(master.scalar_type()) : std::string("an undefined tensor"));
+  // Integer arithmetic on the bits (int64, so nothing overflows): split_master's expressions.
+  const at::Tensor u = master.view(at::kInt).to(at::kLong).bitwise_and(0xFFFFFFFFLL);
+  const at::Tensor is_nan = u.bitwise_and(0x7FFFFFFF).gt(0x7F800000);
+  const at::Tensor high =
+      at::where(is_nan, u.bitwise_right_shift(16).bitwise_or(0x40), (u + 0x7FFF).bitwise_right_shift(16));
+  return {low_half(high).view(at::kBFloat16), low_half(u)};
+}
+
+at::Tensor master_rebuild(const at::Tensor& weight, const at::Tensor& remainder) {
+  MIXPREC_CHECK_TYPE(weight.defined() && weight.scalar_type() == at::kBFloat16,
+                     "mixprec::master_rebuild: weight must be a bfloat16 tensor, got ",
+                     weight.defined() ? python_dtype(weight.scalar_type()) : std::string("an undefined tensor"));
+  MIXPREC_CHECK_TYPE(remainder.defined() && remainder.scalar_type() == at::kShort,
+                     "mixprec::master_rebuild: remainder must be an int16 tensor, got ",
+                     remainder.defined() ? python_dtype(remainder.scalar_type()) : std::string("an undefined tensor"));
+  MIXPREC_CHECK_VALUE(weight.sizes() == remainder.sizes(), "mixprec::master_rebuild: remainder has shape ",
+                      shape(remainder.sizes()), " but weight has ", shape(weight.sizes()));
+  const at::Tensor low = remainder.to(at::kLong).bitwise_and(0xFFFF);
+  const at::Tensor high = weight.view(at::kShort).to(at::kLong).bitwise_and(0xFFFF) - low.gt(0x8000).to(at::kLong);
+  const at::Tensor bits = high.bitwise_left_shift(16).bitwise_or(low).bitwise_and(0xFFFFFFFFLL);
+  return at::where(bits.ge(1LL << 31), bits - (1LL << 32), bits).to(at::kInt).view(at::kFloat);
+}
+
 std::string fp8_linear_ineligibility(const at::Tensor& weight, const at::Tensor* input) {
   MIXPREC_CHECK_VALUE(weight.defined() && weight.dim() == 2, "mixprec::fp8_linear_ineligibility: weight must be ",
                       "a 2-D [out_features, in_features] tensor, got ",

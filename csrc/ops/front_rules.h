@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 namespace mixprec::detail {
 
@@ -23,6 +24,14 @@ std::string python_dtype(c10::ScalarType dtype);
 // class for the same mismatch (ops/optim_common.cpp).
 void check_master_remainder(at::TensorList params, const std::string& owner, const std::string& option,
                             const std::string& where, bool loaded);
+
+// The two forms of a master, for masters that change form outside a step (a checkpoint's master
+// loaded into a group that keeps the other form, a switched option): the tensor twins of
+// kernels/optim_common.h's split_master and rebuild_master, bit for bit, on any device and layout.
+// master_split: (bf16 weight, int16 remainder) of an fp32 master, the weight nearest with ties
+// toward zero; master_rebuild: the fp32 master a bf16 weight and its int16 remainder hold.
+std::tuple<at::Tensor, at::Tensor> master_split(const at::Tensor& master);
+at::Tensor master_rebuild(const at::Tensor& weight, const at::Tensor& remainder);
 
 // ---- FP8 Linear eligibility -------------------------------------------------------------------
 // torch._scaled_mm's tiles: every GEMM dimension (out and in features, the token count) a

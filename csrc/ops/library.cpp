@@ -156,6 +156,11 @@ TORCH_LIBRARY(mixprec, m) {
                                                 loaded);
       });
 
+  // The two forms of a master (ops/front_rules.h): (bf16 weight, int16 remainder) of an fp32
+  // master, and the fp32 master they hold; bit for bit the kernels' split and rebuild.
+  m.def("master_split(Tensor master) -> (Tensor, Tensor)", &mixprec::detail::master_split);
+  m.def("master_rebuild(Tensor weight, Tensor remainder) -> Tensor", &mixprec::detail::master_rebuild);
+
   // ---- norms (kernels/norm.*) ---------------------------------------------------------------
   // Returns (total, per_tensor): the norm (ord 2 or inf) of all tensors together as a 0-dim
   // float32 tensor, and each tensor's norm as float32 [len(tensors)] (empty unless per_tensor).

@@ -97,11 +97,23 @@ TEST_P(ApiLeanMasters, CheckpointsMoveBetweenRemainderAndFp32Masters) {
     auto b = copies(a);  // the model's weights travel with the model
     FusedSGD target(b, FusedSGDOptions(0.1).momentum(0.9).master_weights(true).master_remainder(!from_remainder));
     load_from_string(target, save_to_string(source));
+    // The checkpoint's options come with it, as every option does; the form is then chosen again.
+    auto& options = static_cast<FusedSGDOptions&>(target.param_groups()[0].options());
+    ASSERT_EQ(options.master_remainder(), from_remainder);
+    options.master_remainder(!from_remainder);
     for (int step = 5; step < 20; ++step) {
       same_grads(a, b);
       source.step();
       target.step();
       expect_same_masters(source, a, target, b, step);
+    }
+    // After its first step each master has the form its group keeps, as in the Python front: an
+    // fp32 master under the weight an fp32-master step writes (rounded to nearest even), or a
+    // remainder.
+    for (const auto& p : b) {
+      const at::Tensor& slot = master_slot(target, p);
+      ASSERT_EQ(slot.scalar_type(), from_remainder ? at::kFloat : at::kShort);
+      if (from_remainder) EXPECT_TRUE(bitwise_equal(p.detach().cpu(), slot.cpu().to(at::kBFloat16)));
     }
   }
 }

@@ -143,6 +143,55 @@ def test_split_and_rebuild_are_exact_over_every_low_half(gen):
     assert bool(_lean.rebuild(w, r)[2].isnan()) and bool(w[2].isnan())
 
 
+def spec_split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split from its definition, in float64 (finite masters): of the two bf16 values around
+    the master (its high half, and the next one away from zero), the nearer, ties to the high half;
+    the remainder is the low half."""
+    u = master.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    low, away = u >> 16, (u >> 16) + 1
+    as_float = lambda h: torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(torch.bfloat16).double()
+    m = master.double()
+    take_away = (as_float(away) - m).abs() < (m - as_float(low)).abs()
+    weight = torch.where(take_away, away, low)
+    to16 = lambda h: torch.where(h >= 2**15, h - 2**16, h).to(torch.int16)
+    return to16(weight).view(torch.bfloat16), to16(u & 0xFFFF)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_the_master_form_ops_follow_their_definition_on_every_layout(device, layout, gen):
+    # mixprec::master_split / master_rebuild (one implementation for both fronts) against the
+    # split's definition, on the device and in the master's layout.
+    master = torch.randn(2, 3, 5, 7, generator=gen) * torch.exp2(torch.randint(-20, 20, (2, 3, 5, 7), generator=gen))
+    master.view(-1)[:4] = torch.tensor([1.0 + 2.0**-8, -(1.0 + 3 * 2.0**-8), 2.0**-130, -0.0])  # ties, subnormal
+    master = master.to(device)
+    if layout == "channels_last":
+        master = master.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        master = master.transpose(1, 3)
+    weight, remainder = torch.ops.mixprec.master_split(master)
+    want_weight, want_remainder = spec_split(master.cpu().contiguous())
+    assert weight.device == master.device and weight.stride() == master.stride()
+    assert_bitwise_equal(weight.cpu().contiguous(), want_weight, "weight")
+    assert_bitwise_equal(remainder.cpu().contiguous(), want_remainder, "remainder")
+    assert_bitwise_equal(torch.ops.mixprec.master_rebuild(weight, remainder), master, "rebuild")
+
+
+def test_the_master_form_ops_refuse_what_they_cannot_read_and_pass_opcheck(gen):
+    m = torch.randn(9, generator=gen)
+    w, r = torch.ops.mixprec.master_split(m)
+    torch.library.opcheck(torch.ops.mixprec.master_split.default, (m,))
+    torch.library.opcheck(torch.ops.mixprec.master_rebuild.default, (w, r))
+    with pytest.raises(TypeError, match="mixprec::master_split: master must be a float32 tensor, got torch.bfloat16"):
+        torch.ops.mixprec.master_split(w)
+    with pytest.raises(TypeError, match="mixprec::master_rebuild: weight must be a bfloat16 tensor, got torch.float32"):
+        torch.ops.mixprec.master_rebuild(m, r)
+    with pytest.raises(TypeError, match="mixprec::master_rebuild: remainder must be an int16 tensor"):
+        torch.ops.mixprec.master_rebuild(w, r.int())
+    with pytest.raises(ValueError, match=r"remainder has shape \[8\] but weight has \[9\]"):
+        torch.ops.mixprec.master_rebuild(w, r[:8])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("direction", ["remainder_to_fp32", "fp32_to_remainder"])
 def test_checkpoints_move_between_remainder_and_fp32_masters(family, direction, gen):

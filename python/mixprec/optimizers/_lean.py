@@ -88,28 +88,18 @@ def init_master(state: dict, p: torch.Tensor, group: dict) -> bool:
     return True
 
 
-# Bit-exact twins of kernels/optim_common.h's split_master and rebuild_master, in torch integer
-# ops: for masters that change form outside a step (a loaded checkpoint, a switched option).
+# The two forms of a master, for masters that change form outside a step (a loaded checkpoint, a
+# switched option): the ops the C++ front calls too (ops/front_rules.h), bit for bit the kernels'
+# split_master and rebuild_master.
 def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(bf16 weight, int16 remainder) of an fp32 master: the weight is the nearest bf16, ties
     toward zero; the remainder the master's low 16 bits."""
-    u = master.detach().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    high = torch.where(nan, (u >> 16) | 0x40, (u + 0x7FFF) >> 16)
-    return _as16(high).view(torch.bfloat16), _as16(u & 0xFFFF)
+    return _ops.master_split(master.detach())
 
 
 def rebuild(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master that (bf16 weight, int16 remainder) hold."""
-    low = remainder.detach().to(torch.int64) & 0xFFFF
-    high = (weight.detach().view(torch.int16).to(torch.int64) & 0xFFFF) - (low > 0x8000).to(torch.int64)
-    bits = ((high << 16) | low) & 0xFFFFFFFF
-    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
-
-
-def _as16(x: torch.Tensor) -> torch.Tensor:
-    x = x & 0xFFFF
-    return torch.where(x >= 2**15, x - 2**16, x).to(torch.int16)
+    return _ops.master_rebuild(weight.detach(), remainder.detach())
 
 
 @torch.no_grad()
